@@ -1,0 +1,30 @@
+"""The request lifecycle: states, the transition table, events and hooks.
+
+This package imports nothing else from ``diffusion_runtime``.
+"""
+
+from diffusion_runtime.fsm.events import ADMIT, LifecycleEvent
+from diffusion_runtime.fsm.machine import (
+    ENTRY_HOOKS,
+    TRANSITION_TABLE,
+    Hook,
+    LifecycleViolation,
+    RequestLifecycle,
+    RequestMachine,
+    Trigger,
+)
+from diffusion_runtime.fsm.states import TERMINAL_STATES, RequestStatus
+
+__all__ = [
+    "ADMIT",
+    "ENTRY_HOOKS",
+    "TERMINAL_STATES",
+    "TRANSITION_TABLE",
+    "Hook",
+    "LifecycleEvent",
+    "LifecycleViolation",
+    "RequestLifecycle",
+    "RequestMachine",
+    "RequestStatus",
+    "Trigger",
+]

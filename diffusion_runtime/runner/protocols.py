@@ -1,0 +1,128 @@
+"""What a pipeline must provide to run inside the runtime.
+
+A pipeline is model code only: it never sees queues, the scheduler or the
+engine. It receives :class:`PipelineRequest` objects (identity, prompt,
+parameters, a private random generator) and returns images keyed by request id.
+
+Images are float tensors of shape ``(num_outputs_per_prompt, C, H, W)`` with
+values in ``[0, 1]``, on any device; the runner moves them to the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from diffusion_runtime.sampling_params import SamplingParams
+
+Prompt = Any
+
+
+class PipelineRequest:
+    """One request as a pipeline sees it.
+
+    ``generator`` is created on first use, on the runner's device, seeded with
+    ``seed``: every random draw a pipeline makes for this request must come
+    from it, so the output depends only on this request, never on batch mates.
+    """
+
+    __slots__ = ("_generator", "device", "params", "prompt", "request_id", "seed")
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        seed: int,
+        device: torch.device,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.seed = seed
+        self.device = device
+        self._generator: torch.Generator | None = None
+
+    @property
+    def generator(self) -> torch.Generator:
+        if self._generator is None:
+            self._generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        return self._generator
+
+
+@runtime_checkable
+class RequestPipeline(Protocol):
+    """The request-mode contract: one full forward for a batch of requests.
+
+    ``forward`` returns one image tensor per request, keyed by request id. When
+    ``supports_request_batch`` is False the runner calls it with one request at
+    a time. Optional members, looked up by name:
+
+    - ``validate_request(prompt, params) -> None``: raise ``ValueError`` (ideally
+      :class:`~diffusion_runtime.errors.InvalidFieldError`) for input this
+      pipeline cannot serve; called at admission, so a bad request costs nothing.
+    - ``warmup_request() -> (prompt, SamplingParams)``: a cheap request for start-up.
+    - ``close() -> None``: release what the pipeline holds.
+    """
+
+    supports_request_batch: bool
+
+    def forward(self, batch: Sequence[PipelineRequest]) -> Mapping[str, torch.Tensor]: ...
+
+
+@attrs.define(eq=False)
+class StepRequestState:
+    """A request's denoising state in step mode, owned by the runner.
+
+    The pipeline creates it in ``prepare_encode`` and advances it in
+    ``step_scheduler``. ``scheduler`` is the request's own noise-scheduler
+    object (schedulers are stateful and never shared); ``conditioning`` holds
+    whatever the pipeline encoded once for this request.
+    """
+
+    request: PipelineRequest
+    latents: torch.Tensor
+    timesteps: Sequence[int]
+    step_index: int = 0
+    scheduler: Any = None
+    conditioning: Any = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def is_done(self) -> bool:
+        return self.step_index >= len(self.timesteps)
+
+
+@runtime_checkable
+class StepPipeline(RequestPipeline, Protocol):
+    """The step-mode contract: the denoising loop split at step boundaries.
+
+    - ``prepare_encode(request)`` runs once per request: encode conditioning,
+      draw initial latents from ``request.generator``, set up timesteps.
+    - ``denoise_step(states)`` runs the model once over the stacked batch and
+      returns one model output per state, in the order given.
+    - ``step_scheduler(state, model_output)`` advances one request by one step
+      (updates ``state.latents``, increments ``state.step_index``).
+    - ``post_decode(state)`` turns a finished state into images.
+
+    Optional: ``preview(state) -> Tensor | None``, an intermediate image for
+    streaming (e.g. the current prediction of the clean image).
+    """
+
+    def prepare_encode(self, request: PipelineRequest) -> StepRequestState: ...
+
+    def denoise_step(self, states: Sequence[StepRequestState]) -> Sequence[torch.Tensor]: ...
+
+    def step_scheduler(self, state: StepRequestState, model_output: torch.Tensor) -> None: ...
+
+    def post_decode(self, state: StepRequestState) -> torch.Tensor: ...

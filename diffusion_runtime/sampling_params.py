@@ -1,0 +1,40 @@
+"""Per-request sampling parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from diffusion_runtime.validation import finite_in_range, int_in_range, str_keyed_dict
+
+MAX_SEED = 2**63 - 1
+
+
+def _copy_dict(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else value
+
+
+@attrs.frozen(slots=True)
+class SamplingParams:
+    """How to sample one request. Every field is validated on construction.
+
+    ``seed=None`` lets the engine pick one; the output reports the seed used,
+    so every result can be reproduced. ``height``/``width`` of ``None`` mean the
+    pipeline's native size. ``extra_args`` carries pipeline-specific options.
+    """
+
+    num_inference_steps: int = attrs.field(default=25, validator=int_in_range(1, 10_000))
+    guidance_scale: float = attrs.field(default=1.0, validator=finite_in_range(0.0, 1_000.0))
+    seed: int | None = attrs.field(default=None, validator=int_in_range(0, MAX_SEED, optional=True))
+    num_outputs_per_prompt: int = attrs.field(default=1, validator=int_in_range(1, 256))
+    height: int | None = attrs.field(default=None, validator=int_in_range(1, 8192, optional=True))
+    width: int | None = attrs.field(default=None, validator=int_in_range(1, 8192, optional=True))
+    extra_args: dict[str, Any] = attrs.field(
+        factory=dict, converter=_copy_dict, validator=str_keyed_dict, hash=False
+    )
+
+    def request_batch_key(self) -> tuple[Any, ...]:
+        """Requests with equal keys can share one full-forward (request-mode) batch."""
+        extra = tuple(sorted((k, repr(v)) for k, v in self.extra_args.items()))
+        return (self.num_inference_steps, self.guidance_scale, self.height, self.width, extra)
