@@ -1,0 +1,103 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from diffusion_runtime.validation import (
+    fail,
+    finite_in_range,
+    int_in_range,
+    is_bool,
+    one_of,
+    str_keyed_dict,
+)
+
+EXECUTION_MODES = ("request", "step")
+BUILTIN_BACKENDS = ("uni", "mp")
+
+
+def default_device() -> str:
+    """CUDA when a device is present, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _device_str(value: Any) -> Any:
+    if value is None:
+        return default_device()
+    return str(value) if isinstance(value, torch.device) else value
+
+
+def _is_device(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    try:
+        torch.device(value)
+    except (RuntimeError, TypeError):
+        fail(instance, attribute.name, "must name a torch device such as 'cpu' or 'cuda:0'", value)
+
+
+def _is_pipeline_spec(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not (isinstance(value, str) and value) and not callable(value):
+        fail(
+            instance,
+            attribute.name,
+            "must be a registered pipeline name, a 'module:attr' import path or a factory",
+            value,
+        )
+
+
+def _is_backend(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None or isinstance(value, type):
+        return
+    if isinstance(value, str) and (value in BUILTIN_BACKENDS or ":" in value or "." in value):
+        return
+    fail(
+        instance,
+        attribute.name,
+        "must be 'uni', 'mp', a DiffusionExecutor subclass or an import path",
+        value,
+    )
+
+
+def _is_extension_list(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not all(isinstance(item, (str, type)) for item in value):
+        fail(instance, attribute.name, "must hold classes or 'module:attr' import paths", value)
+
+
+@attrs.frozen(slots=True)
+class EngineConfig:
+    """Everything an engine needs to start. Every field is validated on construction.
+
+    ``pipeline`` is a registered name (``"digits"``), a ``"module:attr"`` import
+    path, or a factory called as ``factory(device=..., **pipeline_kwargs)``.
+    ``executor_backend=None`` picks ``"uni"`` for one worker and ``"mp"`` for
+    more. ``request_batch_max_wait_ms > 0`` lets the request scheduler wait that
+    long for a fuller wave. ``max_waiting_requests=None`` leaves the queue unbounded.
+    """
+
+    pipeline: str | Callable[..., Any] = attrs.field(default="digits", validator=_is_pipeline_spec)
+    pipeline_kwargs: dict[str, Any] = attrs.field(factory=dict, validator=str_keyed_dict)
+    device: str = attrs.field(default=None, converter=_device_str, validator=_is_device)
+    max_num_seqs: int = attrs.field(default=8, validator=int_in_range(1, 65_536))
+    max_waiting_requests: int | None = attrs.field(
+        default=None, validator=int_in_range(1, 2**40, optional=True)
+    )
+    execution_mode: str = attrs.field(default="request", validator=one_of(*EXECUTION_MODES))
+    executor_backend: str | type | None = attrs.field(default=None, validator=_is_backend)
+    num_workers: int = attrs.field(default=1, validator=int_in_range(1, 1024))
+    request_batch_max_wait_ms: float = attrs.field(
+        default=0.0, validator=finite_in_range(0.0, 60_000.0)
+    )
+    warmup: bool = attrs.field(default=True, validator=is_bool)
+    worker_extensions: tuple[str | type, ...] = attrs.field(
+        default=(), converter=tuple, validator=_is_extension_list
+    )
+
+    @property
+    def resolved_backend(self) -> str | type:
+        if self.executor_backend is not None:
+            return self.executor_backend
+        return "uni" if self.num_workers == 1 else "mp"

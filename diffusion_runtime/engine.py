@@ -1,0 +1,487 @@
+"""DiffusionEngine: admission, the control loop, output streams, RPC and close.
+
+One background thread runs the loop; each tick is
+
+1. drain control work: collective RPCs, then aborts;
+2. ``scheduler.schedule()`` picks a wave and returns a ``SchedulerOutput``;
+3. ``executor.execute(output)`` runs it on the workers;
+4. aborts that arrived meanwhile are applied, then
+   ``scheduler.update_from_output()`` commits the results, and the machine's
+   terminal hooks deliver each final output to its stream.
+
+Callers on any thread add requests (under a lock shared with steps 2 and 4)
+and queue aborts and RPCs; only the loop thread fires transitions while the
+engine is open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import random
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.errors import (
+    EngineClosedError,
+    EngineDeadError,
+    InvalidFieldError,
+    RPCError,
+)
+from diffusion_runtime.executor.base import DiffusionExecutor
+from diffusion_runtime.executor.selection import resolve_executor_class
+from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine, RequestStatus, Trigger
+from diffusion_runtime.outputs import RequestMetrics, RequestOutput
+from diffusion_runtime.runner.model_runner import describe_error
+from diffusion_runtime.runner.output import RunnerOutput
+from diffusion_runtime.sampling_params import MAX_SEED, SamplingParams
+from diffusion_runtime.scheduler.base import BaseScheduler
+from diffusion_runtime.scheduler.request import Request
+from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+from diffusion_runtime.streams import AsyncStream, GenerateWaiter, OutputSink, wake_streams
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_LENGTH = 256
+# Admission of a large batch takes the scheduler lock in chunks so the loop can run between them.
+_ADMISSION_CHUNK = 512
+
+
+@attrs.frozen
+class EngineSnapshot:
+    """What the engine and its workers hold right now, by request id (for checks and audits)."""
+
+    scheduler_ids: frozenset[str]
+    waiting: int
+    running: int
+    runner_cached_ids: frozenset[str]
+    unclaimed_stream_ids: frozenset[str]
+
+
+@attrs.define
+class _PendingRPC:
+    future: concurrent.futures.Future[Any]
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    timeout: float | None
+    unique_reply_rank: int | None
+
+
+class DiffusionEngine:
+    """Serves diffusion requests: admits them, runs them in waves, streams their outputs.
+
+    Build one with :meth:`make_engine` (which also warms the model up) and close
+    it with :meth:`close` or a ``with`` block.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        scheduler_cls: type[BaseScheduler] | None = None,
+        executor: DiffusionExecutor | None = None,
+    ) -> None:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig; got {type(config).__name__}")
+        self.config = config
+        self.machine: RequestMachine[Request] = RequestMachine()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._aborts: deque[tuple[str, str]] = deque()
+        self._rpcs: deque[_PendingRPC] = deque()
+        self._streams: dict[str, AsyncStream] = {}
+        self._pending_wakes: dict[asyncio.AbstractEventLoop, list[AsyncStream]] = {}
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._fatal: EngineDeadError | None = None
+        self._id_prefix = secrets.token_hex(4)
+        self._id_counter = itertools.count()
+        self._seeds = random.Random(secrets.randbits(64))
+        self._executor = executor if executor is not None else resolve_executor_class(config)(config)
+        try:
+            self.scheduler = (scheduler_cls or RequestScheduler)(self.machine, config)
+            self.machine.add_hook(Hook.TERMINAL, self._deliver_final)
+            self.machine.add_hook(Hook.TERMINAL, self._release_executor_bookkeeping)
+            self._executor.add_failure_callback(lambda reason: self._wakeup.set())
+            self._thread = threading.Thread(
+                target=self._run_loop, name="diffusion-engine-loop", daemon=True
+            )
+            self._thread.start()
+        except BaseException:
+            self._executor.shutdown()
+            raise
+
+    @classmethod
+    def make_engine(cls, config: EngineConfig, **kwargs: Any) -> DiffusionEngine:
+        """Build an engine and run one warm-up request; close everything if either fails."""
+        engine = cls(config, **kwargs)
+        try:
+            if config.warmup:
+                engine._warm_up()
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def __enter__(self) -> DiffusionEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Any] | str | int,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion and return one final output per prompt, in order.
+
+        ``params`` is one :class:`SamplingParams` for all prompts or one per
+        prompt. A request that fails or is aborted yields an output saying why;
+        the call raises only when the engine closes or dies meanwhile.
+        """
+        prompt_list = [prompts] if isinstance(prompts, (str, int)) else list(prompts)
+        params_list = self._params_per_prompt(params, len(prompt_list))
+        waiter = GenerateWaiter(len(prompt_list))
+        requests = [
+            self._new_request(prompt, p, None, waiter.slot(i))
+            for i, (prompt, p) in enumerate(zip(prompt_list, params_list, strict=True))
+        ]
+        for start in range(0, len(requests), _ADMISSION_CHUNK):
+            try:
+                self._admit(requests[start : start + _ADMISSION_CHUNK])
+            except BaseException:
+                self.abort([r.request_id for r in requests[:start]], "generate call failed")
+                raise
+        try:
+            return waiter.wait(timeout)
+        except BaseException:
+            self.abort([r.request_id for r in requests], "generate call was interrupted")
+            raise
+
+    async def add_request(
+        self,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Admit one request and return its id; read its outputs with :meth:`stream`."""
+        stream = AsyncStream(asyncio.get_running_loop(), self._note_wake)
+        request = self._new_request(prompt, params, request_id, stream)
+        self._admit([request])
+        # Outputs that arrive before this line wait in the stream object itself.
+        self._streams[request.request_id] = stream
+        return request.request_id
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield a request's outputs until its final one.
+
+        Raises :class:`EngineClosedError` or :class:`EngineDeadError` if the
+        engine ends first. Stopping early (``break``, cancellation) aborts the
+        request: nobody is left to read its result.
+        """
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            raise KeyError(f"no unclaimed output stream for request {request_id!r}")
+        finished = False
+        try:
+            while not finished:
+                output = await stream.get()
+                finished = output.finished
+                yield output
+        except (EngineClosedError, EngineDeadError):
+            finished = True
+            raise
+        finally:
+            if not finished:
+                stream.close()
+                self.abort(request_id, "the consumer stopped reading")
+
+    def abort(self, request_ids: str | Iterable[str], reason: str = "aborted by the caller") -> None:
+        """Abort requests at the next tick. Unknown or already finished ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self._aborts.extend((rid, reason) for rid in ids)
+        self._wakeup.set()
+
+    # -- control -------------------------------------------------------------------------
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Call a worker method between ticks (so it never races a wave); see
+        :meth:`DiffusionExecutor.collective_rpc`."""
+        self._check_open()
+        call = _PendingRPC(
+            concurrent.futures.Future(), method, args, kwargs or {}, timeout, unique_reply_rank
+        )
+        if threading.current_thread() is self._thread:
+            self._run_rpc(call)
+        else:
+            self._rpcs.append(call)
+            self._wakeup.set()
+        try:
+            return call.future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            call.future.cancel()
+            raise RPCError(f"collective_rpc {method!r} timed out after {timeout} s") from None
+
+    def check_health(self) -> None:
+        """Raise :class:`EngineDeadError` if the executor or the loop has failed."""
+        if self._fatal is not None:
+            raise self._fatal
+        self._executor.check_health()
+
+    @property
+    def queue_length(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def snapshot(self) -> EngineSnapshot:
+        """Per-request state held by the scheduler, the runner and the engine's streams."""
+        cached: list[str] = []
+        if not self._closed and self._fatal is None:
+            cached = self.collective_rpc("cached_request_ids", unique_reply_rank=0)
+        with self._lock:
+            return EngineSnapshot(
+                scheduler_ids=frozenset(self.scheduler.requests),
+                waiting=self.scheduler.num_waiting,
+                running=self.scheduler.num_running,
+                runner_cached_ids=frozenset(cached),
+                unclaimed_stream_ids=frozenset(self._streams),
+            )
+
+    def close(self) -> None:
+        """Stop the loop, end every open stream with :class:`EngineClosedError`,
+        and shut the executor down. Idempotent; must not be called from a hook."""
+        with self._close_lock:
+            if self._closed:
+                return
+            if threading.current_thread() is self._thread:
+                raise RuntimeError("close() cannot be called from the engine loop")
+            with self._lock:
+                self._closed = True
+            self._wakeup.set()
+            self._thread.join()
+            error = EngineClosedError("the engine was closed")
+            self._end_all(error, Trigger.ABORT)
+            self._executor.shutdown()
+
+    # -- admission -----------------------------------------------------------------------
+
+    def _new_request(
+        self, prompt: Any, params: SamplingParams | None, request_id: str | None, sink: OutputSink
+    ) -> Request:
+        self._check_open()
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidFieldError(
+                "request", "params", "must be a SamplingParams", type(params).__name__
+            )
+        if request_id is None:
+            request_id = f"{self._id_prefix}-{next(self._id_counter)}"
+        elif not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH:
+            raise InvalidFieldError(
+                "request",
+                "request_id",
+                f"must be a non-empty str of at most {MAX_REQUEST_ID_LENGTH} characters",
+                request_id,
+            )
+        self._executor.validate_request(prompt, params)
+        seed = params.seed if params.seed is not None else self._seeds.randint(0, MAX_SEED)
+        return Request(
+            request_id, prompt, params, seed, self.scheduler.batch_key_for(params), sink
+        )
+
+    def _admit(self, requests: list[Request]) -> None:
+        """Admit all of ``requests`` or none of them."""
+        with self._lock:
+            self._check_open()
+            admitted = 0
+            try:
+                for request in requests:
+                    self.scheduler.add_request(request)
+                    admitted += 1
+            except BaseException:
+                for request in requests[:admitted]:
+                    request.sink = None
+                    self.scheduler.abort_request(request.request_id, "admission failed")
+                raise
+        self._wakeup.set()
+
+    @staticmethod
+    def _params_per_prompt(
+        params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams | None]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params] * count
+        params_list = list(params)
+        if len(params_list) != count:
+            raise InvalidFieldError(
+                "generate",
+                "params",
+                f"must be one SamplingParams or one per prompt ({count})",
+                f"{len(params_list)} params",
+            )
+        return list(params_list)
+
+    def _check_open(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+        if self._closed:
+            raise EngineClosedError("the engine is closed; it accepts no requests")
+
+    def _warm_up(self) -> None:
+        warmup = self.collective_rpc("warmup_request", unique_reply_rank=0)
+        if warmup is None:
+            return
+        prompt, params = warmup
+        [output] = self.generate([prompt], params)
+        if not output.ok:
+            raise RuntimeError(f"the warm-up request failed: {output.error}")
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        try:
+            while self._tick():
+                pass
+        except BaseException as exc:
+            if isinstance(exc, EngineDeadError):
+                error = exc
+            else:
+                logger.exception("the engine loop crashed")
+                error = EngineDeadError(f"the engine loop crashed: {describe_error(exc)}")
+                error.__cause__ = exc
+            self._fatal = error
+            self._end_all(error, Trigger.FAIL)
+
+    def _tick(self) -> bool:
+        """One pass of the control loop; False once the engine is closing."""
+        self._wakeup.clear()
+        self._executor.check_health()
+        while self._rpcs:
+            self._run_rpc(self._rpcs.popleft())
+        with self._lock:
+            if self._closed:
+                return False
+            self._apply_aborts()
+            output = self.scheduler.schedule(time.monotonic())
+        if output is None:
+            self._flush_wakes()
+            wake_at = self.scheduler.next_wakeup()
+            self._wakeup.wait(None if wake_at is None else max(0.0, wake_at - time.monotonic()))
+            return True
+        try:
+            result = self._executor.execute(output)
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            logger.exception("executor failed on wave %d", output.wave_id)
+            result = RunnerOutput.failed(output.wave_id, output.scheduled_ids, describe_error(exc))
+        with self._lock:
+            self._apply_aborts()
+            self.scheduler.update_from_output(output, result)
+        self._flush_wakes()
+        return True
+
+    def _apply_aborts(self) -> None:
+        while self._aborts:
+            request_id, reason = self._aborts.popleft()
+            if not self.scheduler.abort_request(request_id, reason):
+                stream = self._streams.get(request_id)
+                if stream is not None and self.scheduler.get_request(request_id) is None:
+                    # Finished, never claimed, and now disowned by the caller.
+                    del self._streams[request_id]
+                    stream.close()
+
+    def _run_rpc(self, call: _PendingRPC) -> None:
+        if not call.future.set_running_or_notify_cancel():
+            return
+        try:
+            call.future.set_result(
+                self._executor.collective_rpc(
+                    call.method, call.args, call.kwargs, call.timeout, call.unique_reply_rank
+                )
+            )
+        except BaseException as exc:
+            call.future.set_exception(exc)
+
+    def _end_all(self, error: EngineClosedError | EngineDeadError, trigger: Trigger) -> None:
+        """End every active request, pending RPC and open stream with ``error``."""
+        with self._lock:
+            for request in self.scheduler.requests.values():
+                if request.sink is not None:
+                    request.sink.fail(error)
+                    request.sink = None
+            self.scheduler.finish_all(trigger, str(error))
+        while self._rpcs:
+            call = self._rpcs.popleft()
+            if call.future.set_running_or_notify_cancel():
+                call.future.set_exception(error)
+        self._flush_wakes()
+
+    # -- output delivery (terminal hooks) --------------------------------------------------
+
+    def _deliver_final(self, request: Request, event: LifecycleEvent) -> None:
+        sink, request.sink = request.sink, None
+        images, request.images = request.images, None
+        if sink is None:
+            return  # the consumer is gone: the output is dropped
+        scheduled = request.scheduled_time
+        metrics = RequestMetrics(
+            queue_time_s=(scheduled if scheduled is not None else event.time) - request.arrival_time,
+            execution_time_s=0.0 if scheduled is None else event.time - scheduled,
+            total_time_s=event.time - request.arrival_time,
+        )
+        completed = event.dest is RequestStatus.FINISHED_COMPLETED
+        sink.push(
+            RequestOutput(
+                request_id=request.request_id,
+                status=event.dest,
+                finished=True,
+                images=list(images.unbind(0)) if images is not None else [],
+                seed=request.seed,
+                error=None if completed else event.reason,
+                metrics=metrics,
+            )
+        )
+
+    def _release_executor_bookkeeping(self, request: Request, event: LifecycleEvent) -> None:
+        self._executor.release_request(request.request_id)
+
+    def _note_wake(self, stream: AsyncStream) -> None:
+        self._pending_wakes.setdefault(stream.loop, []).append(stream)
+
+    def _flush_wakes(self) -> None:
+        if not self._pending_wakes:
+            return
+        pending, self._pending_wakes = self._pending_wakes, {}
+        for loop, streams in pending.items():
+            try:
+                loop.call_soon_threadsafe(wake_streams, streams)
+            except RuntimeError:  # the consumer's event loop is closed
+                for stream in streams:
+                    stream.close()

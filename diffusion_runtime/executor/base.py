@@ -1,0 +1,93 @@
+"""DiffusionExecutor: the interface every execution backend implements."""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.errors import EngineDeadError
+from diffusion_runtime.runner.output import RunnerOutput
+from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class DiffusionExecutor(abc.ABC):
+    """Runs scheduler outputs on workers and reports results keyed by request id.
+
+    An executor never decides what runs: it executes exactly the ids of each
+    :class:`SchedulerOutput`. Ordinary pipeline errors come back per request
+    inside the :class:`RunnerOutput`; a failure of the worker group (a dead
+    process, a sticky device fault) marks the executor failed for good, and
+    every later call raises :class:`EngineDeadError`.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._failure: str | None = None
+        self._failure_callbacks: list[Callable[[str], None]] = []
+        self._failure_lock = threading.Lock()
+
+    # -- the contract ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one wave or step and return its per-request results."""
+
+    @abc.abstractmethod
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Call ``method`` on every worker; a list of replies by rank, or the one
+        reply of ``unique_reply_rank``."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker and release every resource. Idempotent."""
+
+    def validate_request(self, prompt: Any, params: SamplingParams) -> None:
+        """Raise ``ValueError`` for input the pipeline cannot serve (called at admission)."""
+        self.collective_rpc("validate_request", (prompt, params), unique_reply_rank=0)
+
+    def release_request(self, request_id: str) -> None:
+        """Drop executor bookkeeping for a request that reached a terminal state."""
+
+    # -- health ------------------------------------------------------------------------
+
+    @property
+    def is_failed(self) -> bool:
+        return self._failure is not None
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise EngineDeadError(self._failure)
+
+    def add_failure_callback(self, fn: Callable[[str], None]) -> None:
+        """Call ``fn(reason)`` once when the executor fails (at once if it already has)."""
+        with self._failure_lock:
+            failure = self._failure
+            if failure is None:
+                self._failure_callbacks.append(fn)
+        if failure is not None:
+            fn(failure)
+
+    def mark_failed(self, reason: str) -> None:
+        """Record a fatal failure; the first reason wins and callbacks run once."""
+        with self._failure_lock:
+            if self._failure is not None:
+                return
+            self._failure = reason
+            callbacks, self._failure_callbacks = self._failure_callbacks, []
+        logger.error("executor failed: %s", reason)
+        for fn in callbacks:
+            fn(reason)

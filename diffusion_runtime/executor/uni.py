@@ -1,0 +1,65 @@
+"""UniProcExecutor: the worker lives in the engine process; no IPC at all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.errors import DeviceFault, EngineDeadError, RPCError
+from diffusion_runtime.executor.base import DiffusionExecutor
+from diffusion_runtime.runner.output import RunnerOutput
+from diffusion_runtime.runner.worker import Worker
+from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.scheduler.output import SchedulerOutput
+
+
+class UniProcExecutor(DiffusionExecutor):
+    """One in-process worker, called directly.
+
+    RPC timeouts are accepted for interface parity but cannot be enforced: a
+    hung pipeline blocks the calling thread.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        if config.num_workers != 1:
+            raise ValueError(
+                f"EngineConfig.num_workers must be 1 for the 'uni' executor; got {config.num_workers}"
+            )
+        self._worker: Worker | None = Worker(config, rank=0)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        result: RunnerOutput = self._call("execute_model", (scheduler_output,), {})
+        return result
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        if unique_reply_rank not in (None, 0):
+            raise RPCError(f"unique_reply_rank {unique_reply_rank} does not exist (1 worker)")
+        reply = self._call(method, args, kwargs or {})
+        return reply if unique_reply_rank == 0 else [reply]
+
+    def validate_request(self, prompt: Any, params: SamplingParams) -> None:
+        self._call("validate_request", (prompt, params), {})
+
+    def shutdown(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown()
+
+    def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.check_health()
+        worker = self._worker
+        if worker is None:
+            raise EngineDeadError("the executor was shut down")
+        try:
+            return worker.call(method, *args, **kwargs)
+        except DeviceFault as exc:
+            self.mark_failed(f"device fault on {worker.device}: {exc}")
+            raise EngineDeadError(f"device fault on {worker.device}: {exc}") from exc

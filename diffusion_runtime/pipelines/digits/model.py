@@ -1,0 +1,166 @@
+"""The digits denoiser network, its cosine noise schedule and the DDIM update.
+
+The network predicts the noise in a flattened 8x8 image (64 values in
+``[-1, 1]``), conditioned on the timestep and the digit class. Class index
+``num_classes`` is the "null" class used for classifier-free guidance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IMAGE_SIZE = 8
+PIXELS = IMAGE_SIZE * IMAGE_SIZE
+TIME_FEATURES = 64
+
+
+@attrs.frozen
+class DenoiserConfig:
+    """Architecture and schedule of a :class:`DigitDenoiser`."""
+
+    hidden: int = 256
+    blocks: int = 3
+    num_train_timesteps: int = 1000
+    schedule: str = "cosine"
+    num_classes: int = 10
+
+    @property
+    def null_class(self) -> int:
+        """The label meaning "no class" (the unconditional branch of guidance)."""
+        return self.num_classes
+
+    def save(self, path: Path) -> None:
+        """Write the config as JSON."""
+        path.write_text(json.dumps(attrs.asdict(self), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> DenoiserConfig:
+        """Read a config written by :meth:`save`."""
+        config = cls(**json.loads(path.read_text()))
+        if config.schedule != "cosine":
+            raise ValueError(f"unsupported noise schedule {config.schedule!r}")
+        return config
+
+
+def cosine_alpha_bars(num_timesteps: int, offset: float = 0.008) -> torch.Tensor:
+    """Cumulative signal fractions ``alpha_bar[t]`` of the cosine schedule (float64)."""
+    steps = torch.arange(num_timesteps + 1, dtype=torch.float64) / num_timesteps
+    f = torch.cos((steps + offset) / (1 + offset) * math.pi / 2) ** 2
+    betas = (1 - f[1:] / f[:-1]).clamp(max=0.999)
+    return torch.cumprod(1 - betas, dim=0)
+
+
+def timestep_features(t: torch.Tensor, num_timesteps: int) -> torch.Tensor:
+    """Sinusoidal features of integer timesteps, shape ``(B, TIME_FEATURES)``."""
+    half = TIME_FEATURES // 2
+    freqs = torch.exp(-math.log(1000.0) * torch.arange(half, device=t.device) / half)
+    angles = (t.float() * (1000.0 / num_timesteps))[:, None] * freqs[None, :]
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+
+
+class FiLMBlock(nn.Module):
+    """Pre-norm residual MLP block whose normalised input is scaled and shifted by the embedding."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, elementwise_affine=False)
+        self.film = nn.Linear(hidden, 2 * hidden)
+        self.fc1 = nn.Linear(hidden, 2 * hidden)
+        self.fc2 = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.film(emb).chunk(2, dim=1)
+        z = self.norm(h) * (1 + scale) + shift
+        return h + self.fc2(F.silu(self.fc1(z)))
+
+
+class DigitDenoiser(nn.Module):
+    """Residual MLP predicting the noise of a flattened 8x8 image."""
+
+    def __init__(self, config: DenoiserConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden
+        self.time_mlp = nn.Sequential(
+            nn.Linear(TIME_FEATURES, hidden), nn.SiLU(), nn.Linear(hidden, hidden)
+        )
+        self.class_emb = nn.Embedding(config.num_classes + 1, hidden)
+        self.inp = nn.Linear(PIXELS, hidden)
+        self.blocks = nn.ModuleList(FiLMBlock(hidden) for _ in range(config.blocks))
+        self.out_norm = nn.LayerNorm(hidden)
+        self.out = nn.Linear(hidden, PIXELS)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Predicted noise for ``x`` ``(B, 64)`` at timesteps ``t`` ``(B,)`` and ``labels`` ``(B,)``."""
+        emb = self.time_mlp(timestep_features(t, self.config.num_train_timesteps))
+        emb = F.silu(emb + self.class_emb(labels))
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h, emb)
+        out: torch.Tensor = self.out(self.out_norm(h))
+        return out
+
+    def predict_noise_row_stable(
+        self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, rows_per_call: int
+    ) -> torch.Tensor:
+        """:meth:`forward`, run in zero-padded chunks of exactly ``rows_per_call`` rows.
+
+        Why: BLAS picks its GEMM kernel from the matrix shape. On the CPU build
+        measured (MKL sgemm, AVX-512), ``nn.Linear`` gives different last bits
+        for a row when the batch has M=1 rows (a GEMV path) or M in
+        {2, 3, 5, 6, 7, 9, 10, 11} (a small-M path), so a request's image would
+        depend on how many batch mates it had. Every GEMM here has the same
+        shape whatever the batch, and within one fixed shape a row's result
+        does not depend on its position or on the other rows (checked in the
+        tests), so each row's output depends on that row alone.
+        """
+        n = x.shape[0]
+        pad = -n % rows_per_call
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+            t = torch.cat([t, t.new_zeros(pad)])
+            labels = torch.cat([labels, labels.new_full((pad,), self.config.null_class)])
+        chunks = [
+            self(x[i : i + rows_per_call], t[i : i + rows_per_call], labels[i : i + rows_per_call])
+            for i in range(0, n + pad, rows_per_call)
+        ]
+        return torch.cat(chunks)[:n]
+
+
+def ddim_timesteps(num_inference_steps: int, num_train_timesteps: int) -> list[int]:
+    """``num_inference_steps`` distinct timesteps, evenly spaced from ``T - 1`` down to 0."""
+    if num_inference_steps == 1:
+        return [num_train_timesteps - 1]
+    span = num_train_timesteps - 1
+    return [
+        round(span * (1 - i / (num_inference_steps - 1))) for i in range(num_inference_steps)
+    ]
+
+
+@attrs.define(eq=False)
+class DDIMScheduler:
+    """Deterministic DDIM (eta = 0) for one request; keeps the latest clean-image estimate."""
+
+    alpha_bars: Sequence[float]
+    timesteps: Sequence[int]
+    x0: torch.Tensor | None = None
+
+    def step(self, x: torch.Tensor, eps: torch.Tensor, index: int) -> torch.Tensor:
+        """Move ``x`` from ``timesteps[index]`` to the next timestep (or to the clean image)."""
+        ab = self.alpha_bars[self.timesteps[index]]
+        x0 = ((x - math.sqrt(1 - ab) * eps) / math.sqrt(ab)).clamp(-1.0, 1.0)
+        self.x0 = x0
+        if index + 1 == len(self.timesteps):
+            return x0
+        # Re-derive the noise from the clipped estimate so both stay consistent.
+        eps = (x - math.sqrt(ab) * x0) / math.sqrt(1 - ab)
+        ab_next = self.alpha_bars[self.timesteps[index + 1]]
+        return math.sqrt(ab_next) * x0 + math.sqrt(1 - ab_next) * eps

@@ -1,0 +1,66 @@
+"""Pipelines by name: the built-in ones and those users register."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+PipelineFactory = Callable[..., Any]
+
+#: Built-in pipelines, as import paths so that naming one never imports the others.
+BUILTIN_PIPELINES: dict[str, str] = {
+    "digits": "diffusion_runtime.pipelines.digits:DigitsPipeline",
+    "testing-noise": "diffusion_runtime.testing.pipelines:SeededNoisePipeline",
+    "testing-faults": "diffusion_runtime.testing.pipelines:FaultInjectingPipeline",
+    "testing-null": "diffusion_runtime.testing.pipelines:NullPipeline",
+}
+
+_registered: dict[str, PipelineFactory] = {}
+
+
+def register_pipeline(name: str, factory: PipelineFactory) -> None:
+    """Make ``EngineConfig(pipeline=name)`` build pipelines with ``factory``.
+
+    Registration is per process: with worker processes, prefer an import path.
+    """
+    if name in BUILTIN_PIPELINES:
+        raise ValueError(f"pipeline name {name!r} is taken by a built-in pipeline")
+    _registered[name] = factory
+
+
+def import_object(path: str) -> Any:
+    """Import ``"package.module:attr"`` (or ``"package.module.attr"``)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{path!r} is not an import path of the form 'package.module:attr'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def resolve_pipeline_factory(spec: str | PipelineFactory) -> PipelineFactory:
+    if callable(spec):
+        return spec
+    if spec in _registered:
+        return _registered[spec]
+    if spec in BUILTIN_PIPELINES:
+        factory: PipelineFactory = import_object(BUILTIN_PIPELINES[spec])
+        return factory
+    if ":" in spec or "." in spec:
+        factory = import_object(spec)
+        return factory
+    known = sorted({*BUILTIN_PIPELINES, *_registered})
+    raise ValueError(f"unknown pipeline {spec!r}; known pipelines: {', '.join(known)}")
+
+
+def build_pipeline(
+    spec: str | PipelineFactory, device: torch.device, kwargs: dict[str, Any]
+) -> Any:
+    """Construct the pipeline ``spec`` names, on ``device``."""
+    return resolve_pipeline_factory(spec)(device=device, **kwargs)

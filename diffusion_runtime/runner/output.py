@@ -1,0 +1,26 @@
+"""RunnerOutput: what a wave produced, keyed by request id."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.frozen(slots=True)
+class RunnerOutput:
+    """Per-request results of one scheduler output.
+
+    ``images`` maps a request id to its CPU image tensor
+    ``(num_outputs, C, H, W)``; ``errors`` maps a request id to why it failed.
+    A request id appears in at most one of them; a scheduled id in neither is a
+    missing result.
+    """
+
+    wave_id: int
+    images: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    errors: dict[str, str] = attrs.field(factory=dict)
+
+    @classmethod
+    def failed(cls, wave_id: int, request_ids: tuple[str, ...], message: str) -> RunnerOutput:
+        """Every listed request failed with the same message."""
+        return cls(wave_id, {}, dict.fromkeys(request_ids, message))

@@ -1,0 +1,131 @@
+"""Worker: owns a device, the pipeline on it and the runner; the target of every executor call."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.errors import RPCError
+from diffusion_runtime.pipelines.registry import build_pipeline, import_object
+from diffusion_runtime.runner.model_runner import ModelRunner
+from diffusion_runtime.runner.output import RunnerOutput
+from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def worker_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device of worker ``rank``: ``cuda:rank`` for a CUDA config with several workers."""
+    device = torch.device(config.device)
+    if device.type == "cuda" and device.index is None and config.num_workers > 1:
+        return torch.device("cuda", rank)
+    return device
+
+
+class Worker:
+    """One device's worth of execution.
+
+    Executors call its methods by name through :meth:`call`, which accepts only
+    the methods in :attr:`RPC_METHODS` and those added by worker extensions.
+    An extension is a class built as ``Extension(worker)``; each of its public
+    methods becomes callable by name. Extensions add methods; they never
+    become a second scheduler or lifecycle.
+    """
+
+    RPC_METHODS = frozenset(
+        {
+            "execute_model",
+            "cached_request_ids",
+            "release_requests",
+            "check_health",
+            "device_name",
+            "warmup_request",
+            "validate_request",
+        }
+    )
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = worker_device(config, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.pipeline = build_pipeline(config.pipeline, self.device, config.pipeline_kwargs)
+        self.runner = ModelRunner(self.pipeline, self.device)
+        self._methods: dict[str, Callable[..., Any]] = {
+            name: getattr(self, name) for name in self.RPC_METHODS
+        }
+        for extension in config.worker_extensions:
+            self._add_extension(extension)
+
+    # -- dispatch ----------------------------------------------------------------------
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run an allowed method by name; refuse anything else."""
+        fn = self._methods.get(method)
+        if fn is None:
+            raise RPCError(
+                f"method {method!r} is not callable on workers; allowed: {sorted(self._methods)}"
+            )
+        return fn(*args, **kwargs)
+
+    @property
+    def rpc_methods(self) -> frozenset[str]:
+        return frozenset(self._methods)
+
+    def _add_extension(self, extension: str | type) -> None:
+        cls = import_object(extension) if isinstance(extension, str) else extension
+        instance = cls(self)
+        for name, member in inspect.getmembers(instance, callable):
+            if name.startswith("_"):
+                continue
+            if name in self._methods:
+                raise ValueError(
+                    f"worker extension {cls.__name__} redefines method {name!r}"
+                )
+            self._methods[name] = member
+
+    # -- built-in methods ----------------------------------------------------------------
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def cached_request_ids(self) -> list[str]:
+        return self.runner.cached_request_ids()
+
+    def release_requests(self, request_ids: list[str]) -> None:
+        self.runner.release_requests(request_ids)
+
+    def check_health(self) -> bool:
+        return True
+
+    def device_name(self) -> str:
+        return str(self.device)
+
+    def warmup_request(self) -> tuple[Any, SamplingParams] | None:
+        fn = getattr(self.pipeline, "warmup_request", None)
+        return None if fn is None else fn()
+
+    def validate_request(self, prompt: Any, params: SamplingParams) -> None:
+        fn = getattr(self.pipeline, "validate_request", None)
+        if fn is not None:
+            fn(prompt, params)
+
+    def shutdown(self) -> None:
+        """Release the pipeline and, on CUDA, the cached device memory."""
+        close = getattr(self.pipeline, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                logger.exception("pipeline close() failed on worker %d", self.rank)
+        self._methods.clear()
+        del self.pipeline, self.runner
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,177 @@
+"""BaseScheduler: admission, the waiting queue, the running set, and waves."""
+
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.errors import DuplicateRequestError, QueueFullError
+from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine, RequestStatus, Trigger
+from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
+from diffusion_runtime.scheduler.request import Request
+
+if TYPE_CHECKING:
+    from diffusion_runtime.runner.output import RunnerOutput
+
+
+class BaseScheduler(abc.ABC):
+    """Owns every admitted request until its terminal transition.
+
+    The scheduler decides *what* runs; it never assigns a state itself. It fires
+    triggers on the request machine and keeps its own tables in step through
+    the machine's hooks, so every path into a terminal state cleans up the same
+    way. All operations are O(1) in the queue depth, except a wave, which is
+    O(wave size).
+    """
+
+    def __init__(self, machine: RequestMachine[Request], config: EngineConfig) -> None:
+        self.machine = machine
+        self.max_num_running_reqs = config.max_num_seqs
+        self.max_waiting_requests = config.max_waiting_requests
+        self.requests: dict[str, Request] = {}
+        # An OrderedDict, not a deque: removal of any waiting request is O(1).
+        self.waiting: OrderedDict[str, Request] = OrderedDict()
+        self.running: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self._next_wave_id = 0
+        machine.add_hook(Hook.SCHEDULED, self._on_scheduled)
+        machine.add_hook(Hook.PREEMPTED, self._on_preempted)
+        machine.add_hook(Hook.TERMINAL, self._on_terminal)
+
+    # -- admission and control ----------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Admit ``request`` at the back of the waiting queue."""
+        if request.request_id in self.requests:
+            raise DuplicateRequestError(
+                f"request id {request.request_id!r} is already in use by an active request"
+            )
+        if self.max_waiting_requests is not None and len(self.waiting) >= self.max_waiting_requests:
+            raise QueueFullError(
+                f"waiting queue is full ({self.max_waiting_requests} requests); retry later"
+            )
+        self.requests[request.request_id] = request
+        self.waiting[request.request_id] = request
+        self.machine.admit(request)
+
+    def batch_key_for(self, params: SamplingParams) -> Hashable:
+        """Requests may share a wave only when their keys are equal."""
+        return params.request_batch_key()
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def abort_request(self, request_id: str, reason: str) -> bool:
+        """Abort an active request; False when the id is unknown or already finished."""
+        request = self.requests.get(request_id)
+        return request is not None and self.machine.abort_if_active(request, reason)
+
+    def fail_request(self, request_id: str, reason: str, wave_id: int | None = None) -> None:
+        self.machine.fire(self.requests[request_id], Trigger.FAIL, wave_id=wave_id, reason=reason)
+
+    def preempt_request(self, request_id: str) -> None:
+        """Move a running request back to the head of the waiting queue."""
+        self.machine.fire(self.requests[request_id], Trigger.PREEMPT)
+
+    def finish_all(self, trigger: Trigger, reason: str) -> None:
+        """End every active request with ``trigger`` (abort on close, fail on death)."""
+        for request in list(self.requests.values()):
+            self.machine.fire(request, trigger, reason=reason)
+
+    # -- queries -------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def next_wakeup(self) -> float | None:
+        """The monotonic time at which :meth:`schedule` may have new work, if it is waiting."""
+        return None
+
+    # -- one tick ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def schedule(self, now: float) -> SchedulerOutput | None:
+        """The next wave to run, or ``None`` when there is nothing to send."""
+
+    @abc.abstractmethod
+    def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> None:
+        """Apply a wave's results: finish, fail or advance each scheduled request."""
+
+    def _compatible_head(self) -> list[Request]:
+        """The longest FIFO run of waiting requests sharing the head's batch key.
+
+        Stops at the first incompatible request (conservative, as head-of-line
+        blocking is preferred to reordering) or at capacity.
+        """
+        capacity = self.max_num_running_reqs - len(self.running)
+        wave: list[Request] = []
+        key: Hashable = None
+        for request in self.waiting.values():
+            if not wave:
+                key = request.batch_key
+            elif request.batch_key != key:
+                break
+            if len(wave) >= capacity:
+                break
+            wave.append(request)
+        return wave
+
+    def _make_output(
+        self, new: list[Request], cached_ids: tuple[str, ...] = ()
+    ) -> SchedulerOutput | None:
+        """Fire ``schedule`` on ``new`` and build the output; ``None`` if there is nothing to say."""
+        if not new and not cached_ids and not self._finished_ids:
+            return None
+        wave_id = self._next_wave_id
+        self._next_wave_id += 1
+        schedule = self.machine.fire
+        for request in new:
+            schedule(request, Trigger.SCHEDULE, wave_id=wave_id)
+        finished_ids = tuple(self._finished_ids)
+        self._finished_ids.clear()
+        return SchedulerOutput(
+            wave_id=wave_id,
+            scheduled_new_reqs=tuple(
+                NewRequestData(r.request_id, r.prompt, r.params, r.seed) for r in new
+            ),
+            scheduled_cached_ids=cached_ids,
+            finished_ids=finished_ids,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+        )
+
+    # -- hooks: the scheduler's tables follow the machine ------------------------------
+
+    def _on_scheduled(self, request: Request, event: LifecycleEvent) -> None:
+        del self.waiting[request.request_id]
+        self.running[request.request_id] = request
+        if request.scheduled_time is None:
+            request.scheduled_time = event.time
+
+    def _on_preempted(self, request: Request, event: LifecycleEvent) -> None:
+        del self.running[request.request_id]
+        self.waiting[request.request_id] = request
+        self.waiting.move_to_end(request.request_id, last=False)
+
+    def _on_terminal(self, request: Request, event: LifecycleEvent) -> None:
+        request_id = request.request_id
+        del self.requests[request_id]
+        if event.source is RequestStatus.RUNNING:
+            del self.running[request_id]
+        else:
+            del self.waiting[request_id]
+        request.finished_time = event.time
+        if request.scheduled_time is not None:  # the workers have seen it
+            self._finished_ids.append(request_id)
