@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -107,6 +107,7 @@ class DiffusionEngine:
         self._id_prefix = secrets.token_hex(4)
         self._id_counter = itertools.count()
         self._seeds = random.Random(secrets.randbits(64))
+        self._last_batch_key: tuple[SamplingParams | None, Hashable] = (None, None)
         self._executor = executor if executor is not None else resolve_executor_class(config)(config)
         try:
             self.scheduler = (scheduler_cls or RequestScheduler)(self.machine, config)
@@ -311,9 +312,12 @@ class DiffusionEngine:
             )
         self._executor.validate_request(prompt, params)
         seed = params.seed if params.seed is not None else self._seeds.randint(0, MAX_SEED)
-        return Request(
-            request_id, prompt, params, seed, self.scheduler.batch_key_for(params), sink
-        )
+        # One params object is often shared by many prompts: compute its key once.
+        cached_params, batch_key = self._last_batch_key
+        if params is not cached_params:
+            batch_key = self.scheduler.batch_key_for(params)
+            self._last_batch_key = (params, batch_key)
+        return Request(request_id, prompt, params, seed, batch_key, sink)
 
     def _admit(self, requests: list[Request]) -> None:
         """Admit all of ``requests`` or none of them."""

@@ -96,9 +96,12 @@ def _check_images(images: object, request: PipelineRequest) -> str | None:
 
 def _detach_to_cpu(images: torch.Tensor) -> torch.Tensor:
     """A CPU tensor that owns its memory: a slice of a batch must not keep the batch alive."""
-    images = images.detach()
+    if images.requires_grad:
+        images = images.detach()
     if images.device.type != "cpu":
         return images.to("cpu")
-    if images.untyped_storage().nbytes() != images.numel() * images.element_size():
+    if images._base is not None and (
+        images.untyped_storage().nbytes() != images.numel() * images.element_size()
+    ):
         return images.clone()
     return images

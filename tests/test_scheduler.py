@@ -1,0 +1,150 @@
+"""The request-mode scheduler against the real request machine, without an engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusion_runtime import DuplicateRequestError, EngineConfig, QueueFullError, SamplingParams
+from diffusion_runtime.fsm import RequestMachine, RequestStatus
+from diffusion_runtime.runner.output import RunnerOutput
+from diffusion_runtime.scheduler import Request, RequestScheduler
+
+S = RequestStatus
+
+
+def make(max_num_seqs: int = 4, **config: object) -> RequestScheduler:
+    machine: RequestMachine[Request] = RequestMachine()
+    return RequestScheduler(machine, EngineConfig(max_num_seqs=max_num_seqs, **config))  # type: ignore[arg-type]
+
+
+def add(scheduler: RequestScheduler, rid: str, steps: int = 4, **params: object) -> Request:
+    p = SamplingParams(num_inference_steps=steps, **params)  # type: ignore[arg-type]
+    request = Request(rid, rid, p, seed=0, batch_key=scheduler.batch_key_for(p))
+    scheduler.add_request(request)
+    return request
+
+
+def test_waves_are_fifo_compatible_and_capped() -> None:
+    scheduler = make(max_num_seqs=2)
+    for rid, steps in [("a", 4), ("b", 4), ("c", 4), ("d", 8), ("e", 4)]:
+        add(scheduler, rid, steps)
+    waves = []
+    while scheduler.waiting:
+        out = scheduler.schedule(now=0.0)
+        assert out is not None
+        waves.append(list(out.scheduled_ids))
+        images = {rid: torch.zeros(1, 1, 1, 1) for rid in out.scheduled_ids}
+        scheduler.update_from_output(out, RunnerOutput(out.wave_id, images))
+    # The wave stops at the first incompatible request: no reordering around "d".
+    assert waves == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert not scheduler.requests and not scheduler.running
+
+
+def test_every_scheduled_request_terminates_on_update() -> None:
+    scheduler = make()
+    reqs = [add(scheduler, rid) for rid in "abcd"]
+    out = scheduler.schedule(now=0.0)
+    assert out is not None and out.scheduled_ids == ("a", "b", "c", "d")
+    assert all(r.state is S.RUNNING for r in reqs)
+    result = RunnerOutput(
+        out.wave_id,
+        images={"a": torch.zeros(1, 1, 2, 2), "d": torch.zeros(0, 1, 2, 2)},
+        errors={"b": "RuntimeError: boom"},
+    )
+    scheduler.update_from_output(out, result)
+    assert [r.state for r in reqs] == [
+        S.FINISHED_COMPLETED,
+        S.FINISHED_ERROR,  # the runner's error
+        S.FINISHED_ERROR,  # missing result
+        S.FINISHED_ERROR,  # empty result
+    ]
+    assert not scheduler.requests and not scheduler.running and not scheduler.waiting
+    nxt = scheduler.schedule(now=0.0)
+    assert nxt is not None and not nxt.has_work
+    assert set(nxt.finished_ids) == {"a", "b", "c", "d"}
+    assert scheduler.schedule(now=0.0) is None
+
+
+def test_abort_while_waiting_and_while_running() -> None:
+    scheduler = make(max_num_seqs=1)
+    a, b = add(scheduler, "a"), add(scheduler, "b")
+    out = scheduler.schedule(now=0.0)
+    assert out is not None and out.scheduled_ids == ("a",)
+    assert scheduler.abort_request("a", "caller") and scheduler.abort_request("b", "caller")
+    assert a.state is b.state is S.FINISHED_ABORTED
+    assert not scheduler.abort_request("a", "again"), "a finished request ignores aborts"
+    assert not scheduler.abort_request("nope", "unknown")
+    # The aborted request's late result is dropped, not applied.
+    scheduler.update_from_output(out, RunnerOutput(out.wave_id, {"a": torch.zeros(1, 1, 1, 1)}))
+    assert a.state is S.FINISHED_ABORTED
+    nxt = scheduler.schedule(now=0.0)
+    # Only "a" reached the workers, so only "a" is reported finished to them.
+    assert nxt is not None and nxt.finished_ids == ("a",) and not nxt.has_work
+
+
+def test_duplicate_active_ids_are_rejected_but_ids_can_be_reused_after_finish() -> None:
+    scheduler = make()
+    first = add(scheduler, "x")
+    with pytest.raises(DuplicateRequestError, match="'x'"):
+        add(scheduler, "x")
+    assert scheduler.requests["x"] is first and len(scheduler.waiting) == 1
+    scheduler.abort_request("x", "done")
+    add(scheduler, "x")
+    assert scheduler.num_waiting == 1
+
+
+def test_queue_bound() -> None:
+    scheduler = make(max_waiting_requests=2)
+    add(scheduler, "a")
+    add(scheduler, "b")
+    with pytest.raises(QueueFullError):
+        add(scheduler, "c")
+    assert "c" not in scheduler.requests
+
+
+def test_preempted_request_goes_back_to_the_head() -> None:
+    scheduler = make(max_num_seqs=1)
+    add(scheduler, "a")
+    add(scheduler, "b")
+    out = scheduler.schedule(now=0.0)
+    assert out is not None and out.scheduled_ids == ("a",)
+    scheduler.preempt_request("a")
+    assert list(scheduler.waiting) == ["a", "b"] and not scheduler.running
+    out = scheduler.schedule(now=0.0)
+    assert out is not None and out.scheduled_ids == ("a",)
+
+
+def test_admission_coalescing_waits_for_a_fuller_wave_until_the_deadline() -> None:
+    scheduler = make(max_num_seqs=4, request_batch_max_wait_ms=100.0)
+    a = add(scheduler, "a")
+    t0 = a.arrival_time
+    assert scheduler.schedule(now=t0 + 0.001) is None
+    wake = scheduler.next_wakeup()
+    assert wake is not None and t0 < wake <= t0 + 0.1
+    b = add(scheduler, "b")
+    assert scheduler.schedule(now=b.arrival_time + 0.001) is None
+    # Quiet for the stable window (min(0.3 s, 100 ms / 2) = 50 ms): run what we have.
+    out = scheduler.schedule(now=b.arrival_time + 0.051)
+    assert out is not None and out.scheduled_ids == ("a", "b")
+
+
+def test_admission_coalescing_fires_at_once_when_the_wave_is_full() -> None:
+    scheduler = make(max_num_seqs=2, request_batch_max_wait_ms=1000.0)
+    a = add(scheduler, "a")
+    add(scheduler, "b")
+    out = scheduler.schedule(now=a.arrival_time)
+    assert out is not None and out.scheduled_ids == ("a", "b")
+
+
+def test_admission_coalescing_deadline_caps_the_wait() -> None:
+    scheduler = make(max_num_seqs=8, request_batch_max_wait_ms=100.0)
+    t0 = add(scheduler, "a").arrival_time
+    # Arrivals every 40 ms never leave the queue quiet for the 50 ms window...
+    add(scheduler, "b").arrival_time = t0 + 0.04
+    add(scheduler, "c").arrival_time = t0 + 0.08
+    assert scheduler.schedule(now=t0 + 0.099) is None
+    assert scheduler.next_wakeup() == pytest.approx(t0 + 0.1)
+    # ...so the oldest request's 100 ms deadline is what ends the wait.
+    out = scheduler.schedule(now=t0 + 0.1)
+    assert out is not None and out.scheduled_ids == ("a", "b", "c")
