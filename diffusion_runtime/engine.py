@@ -108,7 +108,9 @@ class DiffusionEngine:
         self._id_counter = itertools.count()
         self._seeds = random.Random(secrets.randbits(64))
         self._last_batch_key: tuple[SamplingParams | None, Hashable] = (None, None)
-        self._executor = executor if executor is not None else resolve_executor_class(config)(config)
+        self._executor = (
+            executor if executor is not None else resolve_executor_class(config)(config)
+        )
         try:
             self.scheduler = (scheduler_cls or RequestScheduler)(self.machine, config)
             self.machine.add_hook(Hook.TERMINAL, self._deliver_final)
@@ -180,7 +182,11 @@ class DiffusionEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Admit one request and return its id; read its outputs with :meth:`stream`."""
+        """Admit one request and return its id; read its outputs with :meth:`stream`.
+
+        Outputs are held for the caller until :meth:`stream` reads them, even
+        when the request is aborted or finishes first.
+        """
         stream = AsyncStream(asyncio.get_running_loop(), self._note_wake)
         request = self._new_request(prompt, params, request_id, stream)
         self._admit([request])
@@ -212,8 +218,14 @@ class DiffusionEngine:
                 stream.close()
                 self.abort(request_id, "the consumer stopped reading")
 
-    def abort(self, request_ids: str | Iterable[str], reason: str = "aborted by the caller") -> None:
-        """Abort requests at the next tick. Unknown or already finished ids are ignored."""
+    def abort(
+        self, request_ids: str | Iterable[str], reason: str = "aborted by the caller"
+    ) -> None:
+        """Abort requests at the next tick. Unknown or already finished ids are ignored.
+
+        An aborted request's stream still ends with its final output (aborted,
+        or completed if the request won the race).
+        """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self._aborts.extend((rid, reason) for rid in ids)
         self._wakeup.set()
@@ -414,12 +426,7 @@ class DiffusionEngine:
     def _apply_aborts(self) -> None:
         while self._aborts:
             request_id, reason = self._aborts.popleft()
-            if not self.scheduler.abort_request(request_id, reason):
-                stream = self._streams.get(request_id)
-                if stream is not None and self.scheduler.get_request(request_id) is None:
-                    # Finished, never claimed, and now disowned by the caller.
-                    del self._streams[request_id]
-                    stream.close()
+            self.scheduler.abort_request(request_id, reason)
 
     def _run_rpc(self, call: _PendingRPC) -> None:
         if not call.future.set_running_or_notify_cancel():
@@ -456,7 +463,8 @@ class DiffusionEngine:
             return  # the consumer is gone: the output is dropped
         scheduled = request.scheduled_time
         metrics = RequestMetrics(
-            queue_time_s=(scheduled if scheduled is not None else event.time) - request.arrival_time,
+            queue_time_s=(scheduled if scheduled is not None else event.time)
+            - request.arrival_time,
             execution_time_s=0.0 if scheduled is None else event.time - scheduled,
             total_time_s=event.time - request.arrival_time,
         )

@@ -36,5 +36,9 @@ class SamplingParams:
 
     def request_batch_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can share one full-forward (request-mode) batch."""
-        extra = tuple(sorted((k, repr(v)) for k, v in self.extra_args.items())) if self.extra_args else ()
+        extra = (
+            tuple(sorted((k, repr(v)) for k, v in self.extra_args.items()))
+            if self.extra_args
+            else ()
+        )
         return (self.num_inference_steps, self.guidance_scale, self.height, self.width, extra)

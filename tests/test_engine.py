@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from conftest import engine_threads, factory_of
+
 from diffusion_runtime import (
     DiffusionEngine,
     DiffusionExecutor,
@@ -46,7 +46,10 @@ async def collect(engine: DiffusionEngine, rid: str) -> list[RequestOutput]:
 def test_generate_returns_one_output_per_prompt_equal_to_a_solo_run(make_engine: Build) -> None:
     engine = make_engine(max_num_seqs=4)
     prompts = ["cat", "dog", 7, "cat", "owl"]
-    params = [SamplingParams(num_inference_steps=4, seed=s, num_outputs_per_prompt=1 + s % 2) for s in range(5)]
+    params = [
+        SamplingParams(num_inference_steps=4, seed=s, num_outputs_per_prompt=1 + s % 2)
+        for s in range(5)
+    ]
     outputs = engine.generate(prompts, params)
     assert [o.status for o in outputs] == [S.FINISHED_COMPLETED] * 5
     for prompt, p, out in zip(prompts, params, outputs, strict=True):
@@ -68,12 +71,16 @@ def test_seed_is_assigned_and_reported_when_not_given(make_engine: Build) -> Non
     assert torch.equal(torch.stack(again.images), torch.stack(first.images))
 
 
-def test_compatible_requests_share_one_fused_forward(make_engine: Build, faults: FaultInjectingPipeline) -> None:
+def test_compatible_requests_share_one_fused_forward(
+    make_engine: Build, faults: FaultInjectingPipeline
+) -> None:
     engine = make_engine(factory_of(faults), max_num_seqs=4)
     faults.forward_batches.clear()
     two_steps = SamplingParams(num_inference_steps=2, seed=1)
     five_steps = SamplingParams(num_inference_steps=5, seed=1)
-    outs = engine.generate(["a", "b", "c", "d", "e", "f"], [two_steps] * 3 + [five_steps] + [two_steps] * 2)
+    outs = engine.generate(
+        ["a", "b", "c", "d", "e", "f"], [two_steps] * 3 + [five_steps] + [two_steps] * 2
+    )
     assert all(o.ok for o in outs)
     ids = [o.request_id for o in outs]
     # FIFO waves that stop at the first incompatible request.
@@ -85,27 +92,46 @@ def test_single_request_path_when_the_pipeline_cannot_batch(make_engine: Build) 
     engine = make_engine(factory_of(pipeline), max_num_seqs=4)
     pipeline.forward_batches.clear()
     outs = engine.generate(["ok", "fail", "ok too"], FAST)
-    assert [o.status for o in outs] == [S.FINISHED_COMPLETED, S.FINISHED_ERROR, S.FINISHED_COMPLETED]
+    assert [o.status for o in outs] == [
+        S.FINISHED_COMPLETED,
+        S.FINISHED_ERROR,
+        S.FINISHED_COMPLETED,
+    ]
     assert outs[1].error == "RuntimeError: injected failure" and outs[1].images == []
     assert [len(b) for b in pipeline.forward_batches] == [1, 1, 1]
 
 
-def test_a_failing_fused_forward_fails_only_its_wave(make_engine: Build, faults: FaultInjectingPipeline) -> None:
+def test_a_failing_fused_forward_fails_only_its_wave(
+    make_engine: Build, faults: FaultInjectingPipeline
+) -> None:
     engine = make_engine(factory_of(faults), max_num_seqs=2)
     outs = engine.generate(["a", "fail", "c", "d"], FAST)
-    assert [o.status for o in outs] == [S.FINISHED_ERROR, S.FINISHED_ERROR, S.FINISHED_COMPLETED, S.FINISHED_COMPLETED]
+    assert [o.status for o in outs] == [
+        S.FINISHED_ERROR,
+        S.FINISHED_ERROR,
+        S.FINISHED_COMPLETED,
+        S.FINISHED_COMPLETED,
+    ]
     assert engine.generate(["e"], FAST)[0].ok
     engine.check_health()
 
 
-def test_missing_result_is_an_error_for_that_request_only(make_engine: Build, faults: FaultInjectingPipeline) -> None:
+def test_missing_result_is_an_error_for_that_request_only(
+    make_engine: Build, faults: FaultInjectingPipeline
+) -> None:
     engine = make_engine(factory_of(faults), max_num_seqs=4)
     outs = engine.generate(["a", "missing", "c"], FAST)
-    assert [o.status for o in outs] == [S.FINISHED_COMPLETED, S.FINISHED_ERROR, S.FINISHED_COMPLETED]
+    assert [o.status for o in outs] == [
+        S.FINISHED_COMPLETED,
+        S.FINISHED_ERROR,
+        S.FINISHED_COMPLETED,
+    ]
     assert outs[1].error is not None and "no output" in outs[1].error
 
 
-def test_abort_while_waiting_and_while_running(make_engine: Build, faults: FaultInjectingPipeline) -> None:
+def test_abort_while_waiting_and_while_running(
+    make_engine: Build, faults: FaultInjectingPipeline
+) -> None:
     engine = make_engine(factory_of(faults), max_num_seqs=1)
 
     async def scenario() -> tuple[list[RequestOutput], list[RequestOutput], list[RequestOutput]]:
@@ -137,7 +163,9 @@ def test_abort_of_unknown_or_finished_ids_is_harmless(make_engine: Build) -> Non
     assert engine.generate(["b"], FAST)[0].ok
 
 
-def test_consumer_that_stops_reading_aborts_its_request(make_engine: Build, faults: FaultInjectingPipeline) -> None:
+def test_consumer_that_stops_reading_aborts_its_request(
+    make_engine: Build, faults: FaultInjectingPipeline
+) -> None:
     engine = make_engine(factory_of(faults), max_num_seqs=1)
 
     async def scenario() -> str:
@@ -162,7 +190,9 @@ def test_consumer_that_stops_reading_aborts_its_request(make_engine: Build, faul
     assert not engine.snapshot().scheduler_ids
 
 
-def test_duplicate_active_id_is_rejected_without_disturbing_the_original(make_engine: Build, faults: FaultInjectingPipeline) -> None:
+def test_duplicate_active_id_is_rejected_without_disturbing_the_original(
+    make_engine: Build, faults: FaultInjectingPipeline
+) -> None:
     engine = make_engine(factory_of(faults), max_num_seqs=1)
 
     async def scenario() -> list[RequestOutput]:
@@ -212,7 +242,9 @@ def test_bad_request_in_a_generate_batch_admits_nothing(make_engine: Build) -> N
     assert engine.generate(["ok"], FAST)[0].ok
 
 
-def test_device_fault_kills_the_engine_for_every_waiting_caller(make_engine: Build, faults: FaultInjectingPipeline) -> None:
+def test_device_fault_kills_the_engine_for_every_waiting_caller(
+    make_engine: Build, faults: FaultInjectingPipeline
+) -> None:
     engine = make_engine(factory_of(faults), max_num_seqs=1)
 
     async def scenario() -> None:
@@ -232,13 +264,17 @@ def test_device_fault_kills_the_engine_for_every_waiting_caller(make_engine: Bui
     assert not engine.snapshot().scheduler_ids
 
 
-def test_blocking_generate_sees_engine_death(make_engine: Build, faults: FaultInjectingPipeline) -> None:
+def test_blocking_generate_sees_engine_death(
+    make_engine: Build, faults: FaultInjectingPipeline
+) -> None:
     engine = make_engine(factory_of(faults), max_num_seqs=1)
     with pytest.raises(EngineDeadError):
         engine.generate(["a", "device-fault", "c"], FAST)
 
 
-def test_close_is_idempotent_wakes_streams_and_rejects_new_work(make_engine: Build, faults: FaultInjectingPipeline) -> None:
+def test_close_is_idempotent_wakes_streams_and_rejects_new_work(
+    make_engine: Build, faults: FaultInjectingPipeline
+) -> None:
     engine = make_engine(factory_of(faults), max_num_seqs=1)
 
     async def scenario() -> tuple[list[RequestOutput], BaseException | None]:
@@ -335,6 +371,8 @@ def test_failed_construction_or_warm_up_leaves_nothing_running() -> None:
 
 
 def test_engine_works_as_a_context_manager() -> None:
-    with DiffusionEngine.make_engine(EngineConfig(pipeline="testing-noise", device="cpu")) as engine:
+    with DiffusionEngine.make_engine(
+        EngineConfig(pipeline="testing-noise", device="cpu")
+    ) as engine:
         assert engine.generate("one", FAST)[0].ok
     assert engine.is_closed and engine_threads() == []

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from diffusion_runtime.fsm import (
@@ -47,7 +49,10 @@ def test_table_covers_every_state_and_terminal_states_have_no_exit() -> None:
         ([Trigger.SCHEDULE, Trigger.ABORT], S.FINISHED_ABORTED),
         ([Trigger.SCHEDULE, Trigger.FAIL], S.FINISHED_ERROR),
         ([Trigger.FAIL], S.FINISHED_ERROR),
-        ([Trigger.SCHEDULE, Trigger.PREEMPT, Trigger.SCHEDULE, Trigger.COMPLETE], S.FINISHED_COMPLETED),
+        (
+            [Trigger.SCHEDULE, Trigger.PREEMPT, Trigger.SCHEDULE, Trigger.COMPLETE],
+            S.FINISHED_COMPLETED,
+        ),
         ([Trigger.SCHEDULE, Trigger.PREEMPT, Trigger.ABORT], S.FINISHED_ABORTED),
     ],
 )
@@ -60,7 +65,7 @@ def test_paths_emit_one_event_per_transition(path: list[Trigger], final: Request
     assert [e.trigger for e in events] == ["admit"] + [t.value for t in path]
     assert [e.wave_id for e in events[1:]] == list(range(len(path)))
     assert events[0].source is None and events[0].dest is S.WAITING
-    for before, after in zip(events, events[1:]):
+    for before, after in itertools.pairwise(events):
         assert after.source is before.dest
         assert after.time >= before.time
     assert events[-1].dest is final

@@ -59,8 +59,11 @@ class DiffusionExecutor(abc.ABC):
         """Raise ``ValueError`` for input the pipeline cannot serve (called at admission)."""
         self.collective_rpc("validate_request", (prompt, params), unique_reply_rank=0)
 
-    def release_request(self, request_id: str) -> None:
-        """Drop executor bookkeeping for a request that reached a terminal state."""
+    def release_request(self, request_id: str) -> None:  # noqa: B027 - optional hook
+        """Drop executor bookkeeping for a request that reached a terminal state.
+
+        Called from the terminal hook; the default holds no per-request state.
+        """
 
     # -- health ------------------------------------------------------------------------
 

@@ -24,7 +24,8 @@ class UniProcExecutor(DiffusionExecutor):
         super().__init__(config)
         if config.num_workers != 1:
             raise ValueError(
-                f"EngineConfig.num_workers must be 1 for the 'uni' executor; got {config.num_workers}"
+                "EngineConfig.num_workers must be 1 for the 'uni' executor; "
+                f"got {config.num_workers}"
             )
         self._worker: Worker | None = Worker(config, rank=0)
 

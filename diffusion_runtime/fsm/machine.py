@@ -153,7 +153,9 @@ class RequestMachine(Generic[L]):
         """Record a new request's entry into the machine, in the initial state."""
         if request.state is not INITIAL_STATE:
             raise LifecycleViolation(request.request_id, request.state, ADMIT)
-        event = LifecycleEvent(request.request_id, None, INITIAL_STATE, ADMIT, None, time.monotonic())
+        event = LifecycleEvent(
+            request.request_id, None, INITIAL_STATE, ADMIT, None, time.monotonic()
+        )
         self._dispatch(request, event)
 
     def fire(
@@ -216,7 +218,7 @@ class RequestMachine(Generic[L]):
         for fn in self._hooks[ENTRY_HOOKS[event.dest]]:
             try:
                 fn(request, event)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
+            except BaseException as exc:
                 if first_error is None:
                     first_error = exc
         if first_error is not None:

@@ -86,9 +86,7 @@ class Worker:
             if name.startswith("_"):
                 continue
             if name in self._methods:
-                raise ValueError(
-                    f"worker extension {cls.__name__} redefines method {name!r}"
-                )
+                raise ValueError(f"worker extension {cls.__name__} redefines method {name!r}")
             self._methods[name] = member
 
     # -- built-in methods ----------------------------------------------------------------

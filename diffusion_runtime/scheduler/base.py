@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.errors import DuplicateRequestError, QueueFullError
-from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine, RequestStatus, Trigger
+from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
 from diffusion_runtime.scheduler.request import Request
 
@@ -131,7 +131,7 @@ class BaseScheduler(abc.ABC):
     def _make_output(
         self, new: list[Request], cached_ids: tuple[str, ...] = ()
     ) -> SchedulerOutput | None:
-        """Fire ``schedule`` on ``new`` and build the output; ``None`` if there is nothing to say."""
+        """Fire ``schedule`` on ``new`` and build the output (``None``: nothing to say)."""
         if not new and not cached_ids and not self._finished_ids:
             return None
         wave_id = self._next_wave_id

@@ -76,7 +76,7 @@ class SeededNoisePipeline:
             x = x + (target - x) * (1.0 / (steps - i + 1))
             x = (x + x.roll(1, dims=-1) + x.roll(1, dims=-2)) / 3.0
         images = torch.sigmoid(x)
-        return dict(zip([r.request_id for r in batch], images.split(counts), strict=True))
+        return dict(zip([r.request_id for r in batch], torch.split(images, counts), strict=True))
 
     def _pattern(self, prompt: Any, count: int, height: int, width: int) -> torch.Tensor:
         generator = torch.Generator(device=self.device).manual_seed(
@@ -125,7 +125,7 @@ class FaultInjectingPipeline(SeededNoisePipeline):
 
 
 class NullPipeline:
-    """Does almost nothing: a 1×1 image per output. Measures the runtime's own cost."""
+    """Does almost nothing: a 1x1 image per output. Measures the runtime's own cost."""
 
     supports_request_batch = True
 

@@ -1,0 +1,167 @@
+"""A hypothesis state machine over the real engine: add / abort / drop a consumer / close.
+
+After every step: each admitted id has at most one terminal transition, the
+runtime never attempted an illegal one, and nothing is left in the scheduler or
+the runner for an id that has finished. At the end: every admitted id reached
+exactly one terminal state, and every completed output equals what that
+request produces alone with the same seed (batching never changes or swaps a
+result).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import hypothesis.strategies as st
+import torch
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+
+from conftest import engine_threads, factory_of
+from diffusion_runtime import DiffusionEngine, EngineConfig, RequestOutput, SamplingParams
+from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
+from diffusion_runtime.runner.protocols import PipelineRequest
+from diffusion_runtime.testing.pipelines import FaultInjectingPipeline, SeededNoisePipeline
+
+PROMPTS = st.sampled_from(["cat", "dog", 7, "fail", "missing"])
+
+
+class EngineLifecycle(RuleBasedStateMachine):
+    requests = Bundle("requests")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipeline = FaultInjectingPipeline("cpu")
+        self.engine = DiffusionEngine.make_engine(
+            EngineConfig(pipeline=factory_of(self.pipeline), max_num_seqs=3, device="cpu")
+        )
+        self.events: list[LifecycleEvent] = []
+        self.engine.machine.subscribe(self.events.append)
+        self.pipeline.forward_batches.clear()
+        self.loop = asyncio.new_event_loop()
+        self.inputs: dict[str, tuple[Any, SamplingParams]] = {}
+        self.unread: set[str] = set()
+        self.outputs: dict[str, RequestOutput] = {}
+        self.closed = False
+
+    # -- rules -------------------------------------------------------------------------
+
+    @precondition(lambda self: not self.closed)
+    @rule(
+        target=requests,
+        prompt=PROMPTS,
+        steps=st.integers(1, 3),
+        seed=st.integers(0, 2**16),
+        outputs=st.integers(1, 2),
+    )
+    def add(self, prompt: Any, steps: int, seed: int, outputs: int) -> str:
+        params = SamplingParams(num_inference_steps=steps, seed=seed, num_outputs_per_prompt=outputs)
+        rid = self.loop.run_until_complete(self.engine.add_request(prompt, params))
+        self.inputs[rid] = (prompt, params)
+        self.unread.add(rid)
+        return rid
+
+    @rule(rid=requests)
+    def abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+
+    @precondition(lambda self: self.unread)
+    @rule(data=st.data())
+    def drop_consumer(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.unread)))
+        self.unread.discard(rid)
+        self.loop.run_until_complete(self._read_then_leave(rid))
+
+    @rule()
+    def read_all(self) -> None:
+        for rid in sorted(self.unread):
+            self.loop.run_until_complete(self._read(rid))
+        self.unread.clear()
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def close(self) -> None:
+        self.engine.close()
+        self.closed = True
+
+    # -- invariants --------------------------------------------------------------------
+
+    @invariant()
+    def the_runtime_never_attempts_an_illegal_transition(self) -> None:
+        assert [e for e in self.events if e.rejected] == []
+
+    @invariant()
+    def at_most_one_terminal_transition_per_id(self) -> None:
+        terminal = [e.request_id for e in self.events if e.dest in TERMINAL_STATES]
+        assert len(terminal) == len(set(terminal))
+
+    @invariant()
+    def nothing_is_left_for_a_finished_id(self) -> None:
+        if self.closed:
+            snapshot = self.engine.snapshot()
+            assert not snapshot.scheduler_ids and not snapshot.waiting and not snapshot.running
+            return
+        snapshot = self.engine.snapshot()
+        finished = {e.request_id for e in self.events if e.dest in TERMINAL_STATES}
+        assert not finished & snapshot.scheduler_ids
+        assert not finished & snapshot.runner_cached_ids
+
+    def teardown(self) -> None:
+        try:
+            if not self.closed:
+                self.read_all()
+            self.engine.close()
+            self._check_final_states()
+        finally:
+            self.engine.close()
+            self.loop.close()
+        assert engine_threads() == []
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _check_final_states(self) -> None:
+        terminal = {e.request_id: e for e in self.events if e.dest in TERMINAL_STATES}
+        assert set(terminal) == set(self.inputs), "every admitted id reaches a terminal state"
+        for rid, out in self.outputs.items():
+            assert out.status is terminal[rid].dest
+            if out.ok:
+                prompt, params = self.inputs[rid]
+                assert torch.equal(torch.stack(out.images), solo(prompt, params, out.seed))
+        wave_of = {rid: batch for batch in self.pipeline.forward_batches for rid in batch}
+        for rid, event in terminal.items():
+            prompt = str(self.inputs[rid][0])
+            batch = wave_of.get(rid)
+            healthy = batch is not None and not any(
+                "fail" in str(self.inputs[mate][0]) for mate in batch
+            )
+            if healthy and "missing" not in prompt and event.trigger != "abort":
+                assert event.dest is RequestStatus.FINISHED_COMPLETED, (rid, event)
+            if event.dest is RequestStatus.FINISHED_COMPLETED:
+                assert healthy and "missing" not in prompt, (rid, event)
+
+    async def _read(self, rid: str) -> None:
+        try:
+            async for out in self.engine.stream(rid):
+                self.outputs[rid] = out
+        except Exception as exc:  # the engine was closed under the stream
+            assert self.closed, exc
+
+    async def _read_then_leave(self, rid: str) -> None:
+        reader = self.engine.stream(rid)
+        step = asyncio.ensure_future(reader.__anext__())
+        await asyncio.sleep(0)
+        if step.done():
+            if step.exception() is None:
+                self.outputs[rid] = step.result()
+        else:
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+        await reader.aclose()
+
+
+def solo(prompt: Any, params: SamplingParams, seed: int) -> torch.Tensor:
+    request = PipelineRequest("solo", prompt, params, seed, torch.device("cpu"))
+    return SeededNoisePipeline("cpu").forward([request])["solo"]
+
+
+TestEngineLifecycle = EngineLifecycle.TestCase
