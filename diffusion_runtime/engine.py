@@ -159,11 +159,13 @@ class DiffusionEngine:
         """
         prompt_list = [prompts] if isinstance(prompts, (str, int)) else list(prompts)
         params_list = self._params_per_prompt(params, len(prompt_list))
-        waiter = GenerateWaiter(len(prompt_list))
+        waiter = GenerateWaiter()
         requests = [
-            self._new_request(prompt, p, None, waiter.slot(i))
-            for i, (prompt, p) in enumerate(zip(prompt_list, params_list, strict=True))
+            self._new_request(prompt, p, None, waiter)
+            for prompt, p in zip(prompt_list, params_list, strict=True)
         ]
+        for request in requests:
+            waiter.expect(request.request_id)
         for start in range(0, len(requests), _ADMISSION_CHUNK):
             try:
                 self._admit(requests[start : start + _ADMISSION_CHUNK])
@@ -474,7 +476,7 @@ class DiffusionEngine:
                 request_id=request.request_id,
                 status=event.dest,
                 finished=True,
-                images=list(images.unbind(0)) if images is not None else [],
+                image_batch=images,
                 seed=request.seed,
                 error=None if completed else event.reason,
                 metrics=metrics,

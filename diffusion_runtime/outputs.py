@@ -27,15 +27,16 @@ class RequestOutput:
     """One output of one request.
 
     ``finished`` is False only for intermediate outputs of a streamed request.
-    ``images`` holds CPU float tensors ``(C, H, W)`` in ``[0, 1]``; it is empty
-    unless the request completed (or, for intermediate outputs, sent a preview).
-    ``error`` explains an aborted or failed request.
+    ``image_batch`` is a CPU float tensor ``(N, C, H, W)`` in ``[0, 1]``, or
+    ``None`` unless the request completed (or an intermediate output carries a
+    preview); :attr:`images` splits it per image. ``error`` explains an aborted
+    or failed request.
     """
 
     request_id: str
     status: RequestStatus
     finished: bool
-    images: list[torch.Tensor]
+    image_batch: torch.Tensor | None
     seed: int
     error: str | None = None
     metrics: RequestMetrics | None = None
@@ -43,6 +44,11 @@ class RequestOutput:
     @property
     def ok(self) -> bool:
         return self.status is RequestStatus.FINISHED_COMPLETED
+
+    @property
+    def images(self) -> list[torch.Tensor]:
+        """One ``(C, H, W)`` tensor per image (empty when there are none)."""
+        return [] if self.image_batch is None else list(self.image_batch.unbind(0))
 
     def pil_images(self) -> list[Image.Image]:
         """The images as PIL images (8-bit, RGB or grayscale)."""

@@ -83,48 +83,40 @@ def wake_streams(streams: list[AsyncStream]) -> None:
 
 
 class GenerateWaiter:
-    """Collects the final outputs of a blocking ``generate`` call, in prompt order."""
+    """Collects the final outputs of a blocking ``generate`` call, in prompt order.
 
-    def __init__(self, count: int) -> None:
-        self.outputs: list[RequestOutput | None] = [None] * count
-        self.error: BaseException | None = None
-        self._remaining = count
+    One waiter is the sink of every request of the call (no per-request sink
+    objects: at large batch sizes every tracked object costs garbage-collector time).
+    """
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}
+        self._outputs: list[RequestOutput | None] = []
+        self._remaining = 0
+        self._error: BaseException | None = None
         self._done = threading.Event()
-        if count == 0:
-            self._done.set()
 
-    def slot(self, index: int) -> _WaiterSlot:
-        return _WaiterSlot(self, index)
+    def expect(self, request_id: str) -> None:
+        """Reserve the next output position for ``request_id`` (before it is admitted)."""
+        self._index[request_id] = len(self._outputs)
+        self._outputs.append(None)
+        self._remaining += 1
 
     def wait(self, timeout: float | None = None) -> list[RequestOutput]:
-        if not self._done.wait(timeout):
+        if self._remaining and not self._done.wait(timeout):
             raise TimeoutError(f"generate did not finish within {timeout} s")
-        if self.error is not None:
-            raise self.error
-        return [output for output in self.outputs if output is not None]
+        if self._error is not None:
+            raise self._error
+        return [output for output in self._outputs if output is not None]
 
-    def _deliver(self, index: int, output: RequestOutput) -> None:
+    def push(self, output: RequestOutput) -> None:
         if output.finished:
-            self.outputs[index] = output
+            self._outputs[self._index[output.request_id]] = output
             self._remaining -= 1
             if self._remaining == 0:
                 self._done.set()
 
-    def _fail(self, error: BaseException) -> None:
-        if self.error is None:
-            self.error = error
-        self._done.set()
-
-
-class _WaiterSlot:
-    __slots__ = ("index", "waiter")
-
-    def __init__(self, waiter: GenerateWaiter, index: int) -> None:
-        self.waiter = waiter
-        self.index = index
-
-    def push(self, output: RequestOutput) -> None:
-        self.waiter._deliver(self.index, output)
-
     def fail(self, error: BaseException) -> None:
-        self.waiter._fail(error)
+        if self._error is None:
+            self._error = error
+        self._done.set()

@@ -1,0 +1,1 @@
+"""Benchmarks, reachable as ``diffusion-runtime bench NAME`` and from ``benchmarks/``."""
