@@ -76,6 +76,10 @@ class EngineConfig:
     ``executor_backend=None`` picks ``"uni"`` for one worker and ``"mp"`` for
     more. ``request_batch_max_wait_ms > 0`` lets the request scheduler wait that
     long for a fuller wave. ``max_waiting_requests=None`` leaves the queue unbounded.
+    ``streaming_output=True`` turns on step mode and sends a preview every
+    ``preview_interval`` steps. ``init_distributed`` joins the worker processes
+    in a ``torch.distributed`` group; ``worker_start_timeout_s`` bounds their
+    start-up and ``shutdown_grace_s`` how long they get to stop before being killed.
     """
 
     pipeline: str | Callable[..., Any] = attrs.field(default="digits", validator=_is_pipeline_spec)
@@ -95,6 +99,18 @@ class EngineConfig:
     worker_extensions: tuple[str | type, ...] = attrs.field(
         default=(), converter=tuple, validator=_is_extension_list
     )
+    streaming_output: bool = attrs.field(default=False, validator=is_bool)
+    preview_interval: int = attrs.field(default=5, validator=int_in_range(1, 10_000))
+    init_distributed: bool = attrs.field(default=False, validator=is_bool)
+    worker_start_timeout_s: float = attrs.field(
+        default=300.0, validator=finite_in_range(0.1, 86_400.0)
+    )
+    shutdown_grace_s: float = attrs.field(default=5.0, validator=finite_in_range(0.0, 3_600.0))
+
+    @property
+    def resolved_mode(self) -> str:
+        """Streaming needs step boundaries, so it implies step mode."""
+        return "step" if self.streaming_output else self.execution_mode
 
     @property
     def resolved_backend(self) -> str | type:
