@@ -47,6 +47,7 @@ from diffusion_runtime.sampling_params import MAX_SEED, SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+from diffusion_runtime.scheduler.step_scheduler import StepScheduler
 from diffusion_runtime.streams import AsyncStream, GenerateWaiter, OutputSink, wake_streams
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,10 @@ class DiffusionEngine:
             executor if executor is not None else resolve_executor_class(config)(config)
         )
         try:
-            self.scheduler = (scheduler_cls or RequestScheduler)(self.machine, config)
+            if scheduler_cls is None:
+                step_mode = config.resolved_mode == "step"
+                scheduler_cls = StepScheduler if step_mode else RequestScheduler
+            self.scheduler = scheduler_cls(self.machine, config)
             self.machine.add_hook(Hook.TERMINAL, self._deliver_final)
             self.machine.add_hook(Hook.TERMINAL, self._release_executor_bookkeeping)
             self._executor.add_failure_callback(lambda reason: self._wakeup.set())
@@ -419,16 +423,31 @@ class DiffusionEngine:
         except Exception as exc:
             logger.exception("executor failed on wave %d", output.wave_id)
             result = RunnerOutput.failed(output.wave_id, output.scheduled_ids, describe_error(exc))
+        release = None
         with self._lock:
-            self._apply_aborts()
+            aborted_running = self._apply_aborts()
             self.scheduler.update_from_output(output, result)
+            if self.config.streaming_output:
+                self._deliver_progress(result)
+            if aborted_running:
+                # The workers may still hold state for requests aborted during
+                # this wave: release it now rather than with a future wave.
+                release = self.scheduler.schedule_release()
+        if release is not None:
+            self._executor.execute(release)
         self._flush_wakes()
         return True
 
-    def _apply_aborts(self) -> None:
+    def _apply_aborts(self) -> bool:
+        """Apply queued aborts; True if any of them ended a running request."""
+        aborted_running = False
         while self._aborts:
             request_id, reason = self._aborts.popleft()
-            self.scheduler.abort_request(request_id, reason)
+            request = self.scheduler.get_request(request_id)
+            running = request is not None and request.state is RequestStatus.RUNNING
+            if self.scheduler.abort_request(request_id, reason) and running:
+                aborted_running = True
+        return aborted_running
 
     def _run_rpc(self, call: _PendingRPC) -> None:
         if not call.future.set_running_or_notify_cancel():
@@ -480,8 +499,28 @@ class DiffusionEngine:
                 seed=request.seed,
                 error=None if completed else event.reason,
                 metrics=metrics,
+                step=request.step_index if request.num_steps is not None else None,
+                num_steps=request.num_steps,
             )
         )
+
+    def _deliver_progress(self, result: RunnerOutput) -> None:
+        """Intermediate outputs: step i of n, with a preview image when there is one."""
+        for request_id, (step, num_steps) in result.progress.items():
+            request = self.scheduler.running.get(request_id)
+            if request is None or request.sink is None:
+                continue
+            request.sink.push(
+                RequestOutput(
+                    request_id=request_id,
+                    status=RequestStatus.RUNNING,
+                    finished=False,
+                    image_batch=result.previews.get(request_id),
+                    seed=request.seed,
+                    step=step,
+                    num_steps=num_steps,
+                )
+            )
 
     def _release_executor_bookkeeping(self, request: Request, event: LifecycleEvent) -> None:
         self._executor.release_request(request.request_id)

@@ -30,7 +30,8 @@ class RequestOutput:
     ``image_batch`` is a CPU float tensor ``(N, C, H, W)`` in ``[0, 1]``, or
     ``None`` unless the request completed (or an intermediate output carries a
     preview); :attr:`images` splits it per image. ``error`` explains an aborted
-    or failed request.
+    or failed request. In step mode, ``step`` of ``num_steps`` is the progress
+    when the output was made (a progress bar's numbers).
     """
 
     request_id: str
@@ -40,6 +41,8 @@ class RequestOutput:
     seed: int
     error: str | None = None
     metrics: RequestMetrics | None = None
+    step: int | None = None
+    num_steps: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -36,9 +36,13 @@ class SamplingParams:
 
     def request_batch_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can share one full-forward (request-mode) batch."""
+        return (self.num_inference_steps, *self.step_batch_key())
+
+    def step_batch_key(self) -> tuple[Any, ...]:
+        """Requests with equal keys can share a denoising step, whatever their step counts."""
         extra = (
             tuple(sorted((k, repr(v)) for k, v in self.extra_args.items()))
             if self.extra_args
             else ()
         )
-        return (self.num_inference_steps, self.guidance_scale, self.height, self.width, extra)
+        return (self.guidance_scale, self.height, self.width, extra)

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
-from diffusion_runtime.errors import DeviceFault
+from diffusion_runtime.errors import DeviceFault, PipelineContractError
 from diffusion_runtime.runner.faults import is_sticky_device_fault
+from diffusion_runtime.runner.input_batch import InputBatch
 from diffusion_runtime.runner.output import RunnerOutput
-from diffusion_runtime.runner.protocols import PipelineRequest, RequestPipeline
-from diffusion_runtime.scheduler.output import SchedulerOutput
+from diffusion_runtime.runner.protocols import (
+    STEP_METHODS,
+    PipelineRequest,
+    RequestPipeline,
+    StepPipeline,
+    StepRequestState,
+)
+from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
 
 
 def describe_error(exc: BaseException) -> str:
@@ -18,51 +26,78 @@ def describe_error(exc: BaseException) -> str:
 
 
 class ModelRunner:
-    """Runs request-mode waves on one device.
+    """Runs scheduler outputs on one device, in request mode or step mode.
 
     Every request gets its own ``torch.Generator`` seeded from its seed, and
     every result is matched to its request by id, never by position. A
-    pipeline error fails only the requests of the forward that raised; a
-    sticky device fault is raised as :class:`DeviceFault` for the executor.
+    pipeline error fails only the requests it concerns; a sticky device fault
+    is raised as :class:`DeviceFault` for the executor.
+
+    In step mode the runner owns each running request's
+    :class:`StepRequestState`: created by ``prepare_encode`` when the request
+    first appears, advanced one step per output, dropped as soon as the
+    request finishes or fails here, or when an output lists it as finished.
     """
 
-    def __init__(self, pipeline: RequestPipeline, device: torch.device) -> None:
+    def __init__(
+        self,
+        pipeline: RequestPipeline,
+        device: torch.device,
+        *,
+        step_mode: bool = False,
+        preview_interval: int | None = None,
+    ) -> None:
+        if step_mode and not isinstance(pipeline, StepPipeline):
+            missing = [m for m in STEP_METHODS if not callable(getattr(pipeline, m, None))]
+            raise PipelineContractError(
+                f"step mode needs a pipeline with {', '.join(STEP_METHODS)}; "
+                f"{type(pipeline).__name__} lacks {', '.join(missing)}"
+            )
         self.pipeline = pipeline
         self.device = device
+        self.step_mode = step_mode
+        self.preview_interval = preview_interval
+        self._preview = getattr(pipeline, "preview", None) if preview_interval else None
+        self.states: dict[str, StepRequestState] = {}
+        self.input_batch = InputBatch()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self.release_requests(scheduler_output.finished_ids)
         result = RunnerOutput(scheduler_output.wave_id)
-        batch = [
-            PipelineRequest(data.request_id, data.prompt, data.params, data.seed, self.device)
-            for data in scheduler_output.scheduled_new_reqs
-        ]
-        if not batch:
-            return result
         with torch.inference_mode():
-            if self.pipeline.supports_request_batch:
-                self._forward(batch, result)
+            if self.step_mode:
+                self._step(scheduler_output, result)
             else:
-                for request in batch:
-                    self._forward([request], result)
+                self._forward_wave(scheduler_output, result)
         return result
 
     def release_requests(self, request_ids: Sequence[str]) -> None:
-        """Drop whatever is held for finished requests (request mode holds nothing)."""
+        """Drop the step state of finished requests (no-op for ids not held)."""
+        for request_id in request_ids:
+            self.states.pop(request_id, None)
 
     def cached_request_ids(self) -> list[str]:
-        """Ids of requests with state held between waves."""
-        return []
+        """Ids of requests with state held between outputs."""
+        return list(self.states)
+
+    # -- request mode ------------------------------------------------------------------
+
+    def _forward_wave(self, scheduler_output: SchedulerOutput, result: RunnerOutput) -> None:
+        batch = [self._pipeline_request(data) for data in scheduler_output.scheduled_new_reqs]
+        if not batch:
+            return
+        if self.pipeline.supports_request_batch:
+            self._forward(batch, result)
+        else:
+            for request in batch:
+                self._forward([request], result)
 
     def _forward(self, batch: list[PipelineRequest], result: RunnerOutput) -> None:
         try:
             produced = self.pipeline.forward(batch)
         except Exception as exc:
-            if is_sticky_device_fault(exc):
-                raise exc if isinstance(exc, DeviceFault) else DeviceFault(str(exc)) from exc
-            message = describe_error(exc)
-            for request in batch:
-                result.errors[request.request_id] = message
+            _reraise_if_sticky(exc)
+            _fail_all(result, [r.request_id for r in batch], exc)
             return
         expected = {request.request_id for request in batch}
         strays = [rid for rid in produced if rid not in expected]
@@ -74,13 +109,91 @@ class ModelRunner:
                 result.errors[request.request_id] = message
             return
         for request in batch:
-            images = produced.get(request.request_id)
-            problem = _check_images(images, request)
-            if problem is None:
-                assert images is not None
-                result.images[request.request_id] = _detach_to_cpu(images)
-            else:
-                result.errors[request.request_id] = problem
+            self._accept_images(request, produced.get(request.request_id), result)
+
+    # -- step mode ---------------------------------------------------------------------
+
+    def _step(self, scheduler_output: SchedulerOutput, result: RunnerOutput) -> None:
+        pipeline = cast(StepPipeline, self.pipeline)
+        for data in scheduler_output.scheduled_new_reqs:
+            try:
+                self.states[data.request_id] = pipeline.prepare_encode(self._pipeline_request(data))
+            except Exception as exc:
+                _reraise_if_sticky(exc)
+                result.errors[data.request_id] = describe_error(exc)
+        ids = []
+        for request_id in scheduler_output.scheduled_ids:
+            if request_id in self.states:
+                ids.append(request_id)
+            elif request_id not in result.errors:
+                result.errors[request_id] = "the runner holds no step state for this request"
+        if not ids:
+            return
+        batch = self.input_batch
+        batch.update(tuple(ids), self.states)
+        try:
+            model_outputs = pipeline.denoise_step(batch)
+            if len(model_outputs) != len(batch):
+                raise RuntimeError(
+                    f"denoise_step returned {len(model_outputs)} outputs for {len(batch)} states"
+                )
+        except Exception as exc:
+            _reraise_if_sticky(exc)
+            _fail_all(result, ids, exc)
+        else:
+            for state, model_output in zip(batch, model_outputs, strict=True):
+                self._advance(pipeline, state, model_output, result)
+        for request_id in ids:  # finished or failed here: free the tensors now
+            if request_id in result.errors or request_id in result.images:
+                del self.states[request_id]
+
+    def _advance(
+        self,
+        pipeline: StepPipeline,
+        state: StepRequestState,
+        model_output: torch.Tensor,
+        result: RunnerOutput,
+    ) -> None:
+        request_id = state.request_id
+        try:
+            pipeline.step_scheduler(state, model_output)
+            result.progress[request_id] = (state.step_index, state.num_steps)
+            if state.is_done:
+                self._accept_images(state.request, pipeline.post_decode(state), result)
+            elif self._preview is not None and state.step_index % self.preview_interval == 0:
+                preview = self._preview(state)
+                if preview is not None:
+                    result.previews[request_id] = _detach_to_cpu(preview)
+        except Exception as exc:
+            _reraise_if_sticky(exc)
+            result.errors[request_id] = describe_error(exc)
+            result.progress.pop(request_id, None)
+
+    # -- shared ------------------------------------------------------------------------
+
+    def _pipeline_request(self, data: NewRequestData) -> PipelineRequest:
+        return PipelineRequest(data.request_id, data.prompt, data.params, data.seed, self.device)
+
+    def _accept_images(
+        self, request: PipelineRequest, images: object, result: RunnerOutput
+    ) -> None:
+        problem = _check_images(images, request)
+        if problem is None:
+            assert isinstance(images, torch.Tensor)
+            result.images[request.request_id] = _detach_to_cpu(images)
+        else:
+            result.errors[request.request_id] = problem
+
+
+def _reraise_if_sticky(exc: Exception) -> None:
+    if is_sticky_device_fault(exc):
+        raise exc if isinstance(exc, DeviceFault) else DeviceFault(str(exc)) from exc
+
+
+def _fail_all(result: RunnerOutput, request_ids: Sequence[str], exc: Exception) -> None:
+    message = describe_error(exc)
+    for request_id in request_ids:
+        result.errors[request_id] = message
 
 
 def _check_images(images: object, request: PipelineRequest) -> str | None:

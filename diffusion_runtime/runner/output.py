@@ -13,12 +13,16 @@ class RunnerOutput:
     ``images`` maps a request id to its CPU image tensor
     ``(num_outputs, C, H, W)``; ``errors`` maps a request id to why it failed.
     A request id appears in at most one of them; a scheduled id in neither is a
-    missing result.
+    missing result. In step mode, ``progress`` maps each stepped request to
+    ``(step_index, num_steps)`` after the step, ``images`` holds only requests
+    that finished their last step, and ``previews`` holds intermediate images.
     """
 
     wave_id: int
     images: dict[str, torch.Tensor] = attrs.field(factory=dict)
     errors: dict[str, str] = attrs.field(factory=dict)
+    progress: dict[str, tuple[int, int]] = attrs.field(factory=dict)
+    previews: dict[str, torch.Tensor] = attrs.field(factory=dict)
 
     @classmethod
     def failed(cls, wave_id: int, request_ids: tuple[str, ...], message: str) -> RunnerOutput:

@@ -103,6 +103,10 @@ class StepRequestState:
         return self.step_index >= len(self.timesteps)
 
 
+#: The methods step mode needs, checked when the engine starts.
+STEP_METHODS = ("prepare_encode", "denoise_step", "step_scheduler", "post_decode")
+
+
 @runtime_checkable
 class StepPipeline(RequestPipeline, Protocol):
     """The step-mode contract: the denoising loop split at step boundaries.
@@ -110,7 +114,10 @@ class StepPipeline(RequestPipeline, Protocol):
     - ``prepare_encode(request)`` runs once per request: encode conditioning,
       draw initial latents from ``request.generator``, set up timesteps.
     - ``denoise_step(states)`` runs the model once over the stacked batch and
-      returns one model output per state, in the order given.
+      returns one model output per state, in the order given. The states may
+      be at different step indices. ``states`` is an
+      :class:`~diffusion_runtime.runner.input_batch.InputBatch`: its ``cache``
+      dict keeps what the pipeline stacks once while the batch is unchanged.
     - ``step_scheduler(state, model_output)`` advances one request by one step
       (updates ``state.latents``, increments ``state.step_index``).
     - ``post_decode(state)`` turns a finished state into images.

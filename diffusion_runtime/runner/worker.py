@@ -57,12 +57,20 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.pipeline = build_pipeline(config.pipeline, self.device, config.pipeline_kwargs)
-        self.runner = ModelRunner(self.pipeline, self.device)
-        self._methods: dict[str, Callable[..., Any]] = {
-            name: getattr(self, name) for name in self.RPC_METHODS
-        }
-        for extension in config.worker_extensions:
-            self._add_extension(extension)
+        self._methods: dict[str, Callable[..., Any]] = {}
+        try:
+            self.runner = ModelRunner(
+                self.pipeline,
+                self.device,
+                step_mode=config.resolved_mode == "step",
+                preview_interval=config.preview_interval if config.streaming_output else None,
+            )
+            self._methods.update((name, getattr(self, name)) for name in self.RPC_METHODS)
+            for extension in config.worker_extensions:
+                self._add_extension(extension)
+        except BaseException:
+            self._close_pipeline()
+            raise
 
     # -- dispatch ----------------------------------------------------------------------
 
@@ -117,13 +125,16 @@ class Worker:
 
     def shutdown(self) -> None:
         """Release the pipeline and, on CUDA, the cached device memory."""
+        self._methods.clear()
+        self._close_pipeline()
+        del self.pipeline, self.runner
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _close_pipeline(self) -> None:
         close = getattr(self.pipeline, "close", None)
         if close is not None:
             try:
                 close()
             except Exception:
                 logger.exception("pipeline close() failed on worker %d", self.rank)
-        self._methods.clear()
-        del self.pipeline, self.runner
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()

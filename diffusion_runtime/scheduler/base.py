@@ -110,20 +110,21 @@ class BaseScheduler(abc.ABC):
         """Apply a wave's results: finish, fail or advance each scheduled request."""
 
     def _compatible_head(self) -> list[Request]:
-        """The longest FIFO run of waiting requests sharing the head's batch key.
+        """The longest FIFO run of waiting requests that may join the running set.
 
-        Stops at the first incompatible request (conservative, as head-of-line
-        blocking is preferred to reordering) or at capacity.
+        They share the batch key of the running requests (or of the head of
+        the queue when nothing runs). Stops at the first incompatible request
+        (head-of-line blocking is preferred to reordering) or at capacity.
         """
         capacity = self.max_num_running_reqs - len(self.running)
         wave: list[Request] = []
-        key: Hashable = None
+        if capacity <= 0 or not self.waiting:
+            return wave
+        running = next(iter(self.running.values()), None)
+        head = running if running is not None else next(iter(self.waiting.values()))
+        key: Hashable = head.batch_key
         for request in self.waiting.values():
-            if not wave:
-                key = request.batch_key
-            elif request.batch_key != key:
-                break
-            if len(wave) >= capacity:
+            if request.batch_key != key or len(wave) >= capacity:
                 break
             wave.append(request)
         return wave
@@ -151,6 +152,10 @@ class BaseScheduler(abc.ABC):
             num_running=len(self.running),
             num_waiting=len(self.waiting),
         )
+
+    def schedule_release(self) -> SchedulerOutput | None:
+        """An output that runs nothing and only reports finished ids (so workers free state)."""
+        return self._make_output([])
 
     # -- hooks: the scheduler's tables follow the machine ------------------------------
 

@@ -17,7 +17,8 @@ class Request(RequestLifecycle):
 
     ``sink`` is where the engine delivers this request's outputs (``None`` once
     the consumer is gone). ``images`` holds the result between the runner's
-    output and the terminal transition that delivers it.
+    output and the terminal transition that delivers it. In step mode,
+    ``step_index`` of ``num_steps`` is the progress the runner reported.
     """
 
     __slots__ = (
@@ -25,11 +26,13 @@ class Request(RequestLifecycle):
         "batch_key",
         "finished_time",
         "images",
+        "num_steps",
         "params",
         "prompt",
         "scheduled_time",
         "seed",
         "sink",
+        "step_index",
     )
 
     def __init__(
@@ -51,3 +54,5 @@ class Request(RequestLifecycle):
         self.scheduled_time: float | None = None
         self.finished_time: float | None = None
         self.images: torch.Tensor | None = None
+        self.step_index = 0
+        self.num_steps: int | None = None
