@@ -2,7 +2,7 @@
 
 One background thread runs the loop; each tick is
 
-1. drain control work: collective RPCs, then aborts;
+1. run control work callers queued (collective RPCs, snapshots), then aborts;
 2. ``scheduler.schedule()`` picks a wave and returns a ``SchedulerOutput``;
 3. ``executor.execute(output)`` runs it on the workers;
 4. aborts that arrived meanwhile are applied, then
@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -62,20 +62,18 @@ class EngineSnapshot:
     """What the engine and its workers hold right now, by request id (for checks and audits)."""
 
     scheduler_ids: frozenset[str]
+    running_ids: frozenset[str]
     waiting: int
-    running: int
     runner_cached_ids: frozenset[str]
     unclaimed_stream_ids: frozenset[str]
 
 
 @attrs.define
-class _PendingRPC:
+class _ControlCall:
+    """Work a caller asked the loop to run between ticks."""
+
     future: concurrent.futures.Future[Any]
-    method: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    timeout: float | None
-    unique_reply_rank: int | None
+    fn: Callable[[], Any]
 
 
 class DiffusionEngine:
@@ -99,7 +97,7 @@ class DiffusionEngine:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._aborts: deque[tuple[str, str]] = deque()
-        self._rpcs: deque[_PendingRPC] = deque()
+        self._control: deque[_ControlCall] = deque()
         self._streams: dict[str, AsyncStream] = {}
         self._pending_wakes: dict[asyncio.AbstractEventLoop, list[AsyncStream]] = {}
         self._closed = False
@@ -248,19 +246,14 @@ class DiffusionEngine:
     ) -> Any:
         """Call a worker method between ticks (so it never races a wave); see
         :meth:`DiffusionExecutor.collective_rpc`."""
-        self._check_open()
-        call = _PendingRPC(
-            concurrent.futures.Future(), method, args, kwargs or {}, timeout, unique_reply_rank
-        )
-        if threading.current_thread() is self._thread:
-            self._run_rpc(call)
-        else:
-            self._rpcs.append(call)
-            self._wakeup.set()
         try:
-            return call.future.result(timeout)
+            return self._between_ticks(
+                lambda: self._executor.collective_rpc(
+                    method, args, kwargs or {}, timeout, unique_reply_rank
+                ),
+                timeout,
+            )
         except concurrent.futures.TimeoutError:
-            call.future.cancel()
             raise RPCError(f"collective_rpc {method!r} timed out after {timeout} s") from None
 
     def check_health(self) -> None:
@@ -278,18 +271,25 @@ class DiffusionEngine:
         return self._closed
 
     def snapshot(self) -> EngineSnapshot:
-        """Per-request state held by the scheduler, the runner and the engine's streams."""
-        cached: list[str] = []
-        if not self._closed and self._fatal is None:
-            cached = self.collective_rpc("cached_request_ids", unique_reply_rank=0)
-        with self._lock:
-            return EngineSnapshot(
-                scheduler_ids=frozenset(self.scheduler.requests),
-                waiting=self.scheduler.num_waiting,
-                running=self.scheduler.num_running,
-                runner_cached_ids=frozenset(cached),
-                unclaimed_stream_ids=frozenset(self._streams),
-            )
+        """Per-request state held by the scheduler, the runner and the engine's streams,
+        taken between two ticks (so all parts agree) while the engine runs."""
+
+        def take(cached: list[str]) -> EngineSnapshot:
+            with self._lock:
+                return EngineSnapshot(
+                    scheduler_ids=frozenset(self.scheduler.requests),
+                    running_ids=frozenset(self.scheduler.running),
+                    waiting=self.scheduler.num_waiting,
+                    runner_cached_ids=frozenset(cached),
+                    unclaimed_stream_ids=frozenset(self._streams),
+                )
+
+        if self._closed or self._fatal is not None:
+            return take([])
+        snapshot: EngineSnapshot = self._between_ticks(
+            lambda: take(self._executor.collective_rpc("cached_request_ids", unique_reply_rank=0))
+        )
+        return snapshot
 
     def close(self) -> None:
         """Stop the loop, end every open stream with :class:`EngineClosedError`,
@@ -306,6 +306,21 @@ class DiffusionEngine:
             error = EngineClosedError("the engine was closed")
             self._end_all(error, Trigger.ABORT)
             self._executor.shutdown()
+
+    def _between_ticks(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run ``fn`` on the loop thread between two ticks and return its result."""
+        self._check_open()
+        call = _ControlCall(concurrent.futures.Future(), fn)
+        if threading.current_thread() is self._thread:
+            self._run_control(call)
+        else:
+            self._control.append(call)
+            self._wakeup.set()
+        try:
+            return call.future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            call.future.cancel()
+            raise
 
     # -- admission -----------------------------------------------------------------------
 
@@ -404,8 +419,8 @@ class DiffusionEngine:
         """One pass of the control loop; False once the engine is closing."""
         self._wakeup.clear()
         self._executor.check_health()
-        while self._rpcs:
-            self._run_rpc(self._rpcs.popleft())
+        while self._control:
+            self._run_control(self._control.popleft())
         with self._lock:
             if self._closed:
                 return False
@@ -449,15 +464,12 @@ class DiffusionEngine:
                 aborted_running = True
         return aborted_running
 
-    def _run_rpc(self, call: _PendingRPC) -> None:
+    @staticmethod
+    def _run_control(call: _ControlCall) -> None:
         if not call.future.set_running_or_notify_cancel():
             return
         try:
-            call.future.set_result(
-                self._executor.collective_rpc(
-                    call.method, call.args, call.kwargs, call.timeout, call.unique_reply_rank
-                )
-            )
+            call.future.set_result(call.fn())
         except BaseException as exc:
             call.future.set_exception(exc)
 
@@ -469,8 +481,8 @@ class DiffusionEngine:
                     request.sink.fail(error)
                     request.sink = None
             self.scheduler.finish_all(trigger, str(error))
-        while self._rpcs:
-            call = self._rpcs.popleft()
+        while self._control:
+            call = self._control.popleft()
             if call.future.set_running_or_notify_cancel():
                 call.future.set_exception(error)
         self._flush_wakes()

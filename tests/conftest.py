@@ -13,8 +13,8 @@ from diffusion_runtime.testing.pipelines import FaultInjectingPipeline
 
 settings.register_profile(
     "ci",
-    max_examples=25,
-    stateful_step_count=15,
+    max_examples=50,
+    stateful_step_count=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

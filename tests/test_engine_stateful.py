@@ -15,29 +15,36 @@ from typing import Any
 
 import hypothesis.strategies as st
 import torch
+from conftest import engine_threads, factory_of
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from conftest import engine_threads, factory_of
 from diffusion_runtime import DiffusionEngine, EngineConfig, RequestOutput, SamplingParams
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
 from diffusion_runtime.runner.protocols import PipelineRequest
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline, SeededNoisePipeline
 
-PROMPTS = st.sampled_from(["cat", "dog", 7, "fail", "missing"])
+PROMPTS = st.sampled_from(["cat", "dog", 7, "fail", "missing", "bad-step"])
 
 
 class EngineLifecycle(RuleBasedStateMachine):
     requests = Bundle("requests")
+    mode = "request"
 
     def __init__(self) -> None:
         super().__init__()
         self.pipeline = FaultInjectingPipeline("cpu")
         self.engine = DiffusionEngine.make_engine(
-            EngineConfig(pipeline=factory_of(self.pipeline), max_num_seqs=3, device="cpu")
+            EngineConfig(
+                pipeline=factory_of(self.pipeline),
+                max_num_seqs=3,
+                device="cpu",
+                execution_mode=self.mode,
+            )
         )
         self.events: list[LifecycleEvent] = []
         self.engine.machine.subscribe(self.events.append)
         self.pipeline.forward_batches.clear()
+        self.pipeline.step_batches.clear()
         self.loop = asyncio.new_event_loop()
         self.inputs: dict[str, tuple[Any, SamplingParams]] = {}
         self.unread: set[str] = set()
@@ -55,7 +62,9 @@ class EngineLifecycle(RuleBasedStateMachine):
         outputs=st.integers(1, 2),
     )
     def add(self, prompt: Any, steps: int, seed: int, outputs: int) -> str:
-        params = SamplingParams(num_inference_steps=steps, seed=seed, num_outputs_per_prompt=outputs)
+        params = SamplingParams(
+            num_inference_steps=steps, seed=seed, num_outputs_per_prompt=outputs
+        )
         rid = self.loop.run_until_complete(self.engine.add_request(prompt, params))
         self.inputs[rid] = (prompt, params)
         self.unread.add(rid)
@@ -99,12 +108,16 @@ class EngineLifecycle(RuleBasedStateMachine):
     def nothing_is_left_for_a_finished_id(self) -> None:
         if self.closed:
             snapshot = self.engine.snapshot()
-            assert not snapshot.scheduler_ids and not snapshot.waiting and not snapshot.running
+            assert not snapshot.scheduler_ids and not snapshot.waiting and not snapshot.running_ids
             return
-        snapshot = self.engine.snapshot()
+        # Read the events first: the snapshot is taken between two ticks, after
+        # the terminal hooks of every transition published so far have run.
         finished = {e.request_id for e in self.events if e.dest in TERMINAL_STATES}
+        snapshot = self.engine.snapshot()
         assert not finished & snapshot.scheduler_ids
         assert not finished & snapshot.runner_cached_ids
+        if self.mode == "step":  # step state exists exactly for the running requests
+            assert snapshot.runner_cached_ids == snapshot.running_ids
 
     def teardown(self) -> None:
         try:
@@ -127,17 +140,28 @@ class EngineLifecycle(RuleBasedStateMachine):
             if out.ok:
                 prompt, params = self.inputs[rid]
                 assert torch.equal(torch.stack(out.images), solo(prompt, params, out.seed))
-        wave_of = {rid: batch for batch in self.pipeline.forward_batches for rid in batch}
         for rid, event in terminal.items():
-            prompt = str(self.inputs[rid][0])
-            batch = wave_of.get(rid)
-            healthy = batch is not None and not any(
-                "fail" in str(self.inputs[mate][0]) for mate in batch
-            )
-            if healthy and "missing" not in prompt and event.trigger != "abort":
+            should_complete = self._should_complete(rid)
+            if should_complete and event.trigger != "abort":
                 assert event.dest is RequestStatus.FINISHED_COMPLETED, (rid, event)
             if event.dest is RequestStatus.FINISHED_COMPLETED:
-                assert healthy and "missing" not in prompt, (rid, event)
+                assert should_complete, (rid, event)
+
+    def _should_complete(self, rid: str) -> bool:
+        """Whether ``rid`` ran and no injected fault touched it (its own or a batch mate's)."""
+        prompt_of = {r: str(inputs[0]) for r, inputs in self.inputs.items()}
+        if self.mode == "request":
+            batches = [b for b in self.pipeline.forward_batches if rid in b]
+            poisons, own_poisons = ("fail", "bad-step"), ("missing",)
+        else:
+            batches = [b for b in self.pipeline.step_batches if rid in b]
+            poisons, own_poisons = ("fail",), ("bad-step",)
+        mates = {mate for batch in batches for mate in batch}
+        return (
+            bool(batches)
+            and not any(word in prompt_of[mate] for mate in mates for word in poisons)
+            and not any(word in prompt_of[rid] for word in own_poisons)
+        )
 
     async def _read(self, rid: str) -> None:
         try:
@@ -164,4 +188,9 @@ def solo(prompt: Any, params: SamplingParams, seed: int) -> torch.Tensor:
     return SeededNoisePipeline("cpu").forward([request])["solo"]
 
 
-TestEngineLifecycle = EngineLifecycle.TestCase
+class StepModeEngineLifecycle(EngineLifecycle):
+    mode = "step"
+
+
+TestRequestMode = EngineLifecycle.TestCase
+TestStepMode = StepModeEngineLifecycle.TestCase

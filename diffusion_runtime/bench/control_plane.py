@@ -29,7 +29,7 @@ def engine_cost_per_request_us(
 ) -> list[float]:
     """Per-request cost (µs) of each ``generate`` call of ``depth`` prompts."""
     prompts = ["0"] * depth
-    samples = []
+    samples: list[float] = []
     done = 0
     while done < min_requests or len(samples) < 3:
         start = time.perf_counter()
@@ -63,9 +63,7 @@ def run(
     pipeline: str = "testing-null",
 ) -> dict[str, Any]:
     params = SamplingParams(num_inference_steps=1, seed=0)
-    config = EngineConfig(
-        pipeline=pipeline, max_num_seqs=max_num_seqs, device="cpu", warmup=False
-    )
+    config = EngineConfig(pipeline=pipeline, max_num_seqs=max_num_seqs, device="cpu", warmup=False)
     direct_pipeline = build_pipeline(pipeline, torch.device("cpu"), {})
     results: dict[str, Any] = {
         "benchmark": "control_plane",

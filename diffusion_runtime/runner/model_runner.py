@@ -37,6 +37,8 @@ class ModelRunner:
     :class:`StepRequestState`: created by ``prepare_encode`` when the request
     first appears, advanced one step per output, dropped as soon as the
     request finishes or fails here, or when an output lists it as finished.
+    With ``preview_interval`` k > 0, a pipeline's optional ``preview`` runs
+    every k steps for streaming.
     """
 
     def __init__(
@@ -45,7 +47,7 @@ class ModelRunner:
         device: torch.device,
         *,
         step_mode: bool = False,
-        preview_interval: int | None = None,
+        preview_interval: int = 0,
     ) -> None:
         if step_mode and not isinstance(pipeline, StepPipeline):
             missing = [m for m in STEP_METHODS if not callable(getattr(pipeline, m, None))]

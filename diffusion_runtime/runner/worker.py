@@ -63,7 +63,7 @@ class Worker:
                 self.pipeline,
                 self.device,
                 step_mode=config.resolved_mode == "step",
-                preview_interval=config.preview_interval if config.streaming_output else None,
+                preview_interval=config.preview_interval if config.streaming_output else 0,
             )
             self._methods.update((name, getattr(self, name)) for name in self.RPC_METHODS)
             for extension in config.worker_extensions:

@@ -38,8 +38,8 @@ class SchedulerOutput:
 
     @property
     def scheduled_ids(self) -> tuple[str, ...]:
-        """Every request to run, new ones first, in the order the scheduler chose."""
-        return tuple(r.request_id for r in self.scheduled_new_reqs) + self.scheduled_cached_ids
+        """Every request to run: those already running (in the order they joined), then new ones."""
+        return self.scheduled_cached_ids + tuple(r.request_id for r in self.scheduled_new_reqs)
 
     @property
     def has_work(self) -> bool:

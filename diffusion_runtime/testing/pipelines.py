@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from diffusion_runtime.errors import DeviceFault
-from diffusion_runtime.runner.protocols import PipelineRequest
+from diffusion_runtime.runner.protocols import PipelineRequest, StepRequestState
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.validation import fail
 
@@ -26,7 +26,9 @@ class SeededNoisePipeline:
     """A toy denoiser: seeded noise pulled step by step toward a pattern set by the prompt.
 
     The output depends on the prompt, the seed, the step count and the
-    guidance scale, and on nothing else.
+    guidance scale, and on nothing else. It implements both the request-mode
+    and the step-mode contracts; ``forward`` runs the step methods, so both
+    modes give bit-identical images.
     """
 
     supports_request_batch = True
@@ -55,47 +57,64 @@ class SeededNoisePipeline:
         return "warm-up", SamplingParams(num_inference_steps=1, seed=0)
 
     def forward(self, batch: Sequence[PipelineRequest]) -> Mapping[str, torch.Tensor]:
-        params = batch[0].params
-        height, width = params.height or self.size, params.width or self.size
-        counts = [request.params.num_outputs_per_prompt for request in batch]
-        noise = torch.cat(
-            [
-                torch.randn(
-                    (n, self.channels, height, width), generator=r.generator, device=self.device
-                )
-                for r, n in zip(batch, counts, strict=True)
-            ]
-        )
-        target = torch.cat(
-            [self._pattern(r.prompt, n, height, width) for r, n in zip(batch, counts, strict=True)]
-        )
-        target = target * (1.0 + 0.1 * params.guidance_scale)
-        x = noise
-        steps = params.num_inference_steps
-        for i in range(steps):
-            x = x + (target - x) * (1.0 / (steps - i + 1))
-            x = (x + x.roll(1, dims=-1) + x.roll(1, dims=-2)) / 3.0
-        images = torch.sigmoid(x)
-        return dict(zip([r.request_id for r in batch], torch.split(images, counts), strict=True))
+        states = [self.prepare_encode(request) for request in batch]
+        active = states
+        while active:
+            for state, model_output in zip(active, self.denoise_step(active), strict=True):
+                self.step_scheduler(state, model_output)
+            active = [state for state in active if not state.is_done]
+        return {state.request_id: self.post_decode(state) for state in states}
 
-    def _pattern(self, prompt: Any, count: int, height: int, width: int) -> torch.Tensor:
+    # -- step mode ----------------------------------------------------------------------
+
+    def prepare_encode(self, request: PipelineRequest) -> StepRequestState:
+        params = request.params
+        height, width = params.height or self.size, params.width or self.size
+        shape = (params.num_outputs_per_prompt, self.channels, height, width)
+        noise = torch.randn(shape, generator=request.generator, device=self.device)
+        target = self._pattern(request.prompt, shape) * (1.0 + 0.1 * params.guidance_scale)
+        return StepRequestState(
+            request=request,
+            latents=noise,
+            timesteps=list(range(params.num_inference_steps, 0, -1)),
+            conditioning=target,
+        )
+
+    def denoise_step(self, states: Sequence[StepRequestState]) -> list[torch.Tensor]:
+        stacked = torch.cat([s.latents for s in states])
+        targets = torch.cat([s.conditioning for s in states])
+        pull = targets - stacked
+        return list(torch.split(pull, [s.latents.shape[0] for s in states]))
+
+    def step_scheduler(self, state: StepRequestState, model_output: torch.Tensor) -> None:
+        remaining = state.timesteps[state.step_index]
+        x = state.latents + model_output * (1.0 / (remaining + 1))
+        state.latents = (x + x.roll(1, dims=-1) + x.roll(1, dims=-2)) / 3.0
+        state.step_index += 1
+
+    def post_decode(self, state: StepRequestState) -> torch.Tensor:
+        return torch.sigmoid(state.latents)
+
+    def _pattern(self, prompt: Any, shape: tuple[int, int, int, int]) -> torch.Tensor:
         generator = torch.Generator(device=self.device).manual_seed(
             zlib.crc32(str(prompt).encode())
         )
-        pattern = torch.randn(
-            (1, self.channels, height, width), generator=generator, device=self.device
-        )
-        return pattern.expand(count, -1, -1, -1)
+        pattern = torch.randn((1, *shape[1:]), generator=generator, device=self.device)
+        return pattern.expand(shape)
 
 
 class FaultInjectingPipeline(SeededNoisePipeline):
     """:class:`SeededNoisePipeline` with faults chosen by words in the prompt.
 
-    - ``"fail"``: the forward raises ``RuntimeError`` (fails its whole forward);
+    - ``"fail"``: the forward (or the step) raises ``RuntimeError``, failing
+      every request it runs;
+    - ``"bad-step"``: in step mode, this request's own scheduler step raises;
     - ``"missing"``: the forward omits this request's result;
-    - ``"device-fault"``: the forward raises :class:`DeviceFault` (kills the executor);
-    - ``"gate"``: the forward sets :attr:`gate_entered` and blocks until
-      :attr:`gate_release` is set, so a test can act while a wave is running.
+    - ``"device-fault"``: raises :class:`DeviceFault` (kills the executor);
+    - ``"gate"``: the forward or step sets :attr:`gate_entered` and blocks
+      until :attr:`gate_release` is set, so a test can act while it runs.
+
+    ``forward_batches`` and ``step_batches`` record the ids of every call.
     """
 
     GATE_TIMEOUT_S = 60.0
@@ -105,23 +124,37 @@ class FaultInjectingPipeline(SeededNoisePipeline):
         self.gate_entered = threading.Event()
         self.gate_release = threading.Event()
         self.forward_batches: list[list[str]] = []
+        self.step_batches: list[list[str]] = []
 
     def forward(self, batch: Sequence[PipelineRequest]) -> Mapping[str, torch.Tensor]:
-        prompts = [str(request.prompt) for request in batch]
         self.forward_batches.append([request.request_id for request in batch])
-        if any("gate" in p for p in prompts):
+        self._inject([request.prompt for request in batch])
+        results = dict(super().forward(batch))
+        for request in batch:
+            if "missing" in str(request.prompt):
+                del results[request.request_id]
+        return results
+
+    def denoise_step(self, states: Sequence[StepRequestState]) -> list[torch.Tensor]:
+        self.step_batches.append([state.request_id for state in states])
+        self._inject([state.request.prompt for state in states])
+        return super().denoise_step(states)
+
+    def step_scheduler(self, state: StepRequestState, model_output: torch.Tensor) -> None:
+        if "bad-step" in str(state.request.prompt):
+            raise ValueError("injected step failure")
+        super().step_scheduler(state, model_output)
+
+    def _inject(self, prompts: list[Any]) -> None:
+        words = " ".join(str(p) for p in prompts)
+        if "gate" in words:
             self.gate_entered.set()
             if not self.gate_release.wait(self.GATE_TIMEOUT_S):
                 raise TimeoutError("the test never released the gate")
-        if any("device-fault" in p for p in prompts):
+        if "device-fault" in words:
             raise DeviceFault("injected device fault")
-        if any("fail" in p for p in prompts):
+        if "fail" in words:
             raise RuntimeError("injected failure")
-        results = dict(super().forward(batch))
-        for request, prompt in zip(batch, prompts, strict=True):
-            if "missing" in prompt:
-                del results[request.request_id]
-        return results
 
 
 class NullPipeline:
