@@ -162,16 +162,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0 if overall >= args.min_rate else 1
 
 
+BENCHMARKS = {
+    "control-plane": "diffusion_runtime.bench.control_plane:run",
+    "step-vs-request": "diffusion_runtime.bench.step_vs_request:run",
+    "ipc": "diffusion_runtime.bench.ipc:run",
+}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    result: dict[str, Any]
-    if args.name == "control-plane":
-        from diffusion_runtime.bench.control_plane import run
+    from diffusion_runtime.pipelines.registry import import_object
 
-        result = run()
-    else:
-        from diffusion_runtime.bench.ipc import run as run_ipc
-
-        result = run_ipc()
+    result: dict[str, Any] = import_object(BENCHMARKS[args.name])()
     print(json.dumps(result, indent=2))
     return 0
 
@@ -201,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(func=cmd_eval)
 
     bench = commands.add_parser("bench", help="run a benchmark and print JSON")
-    bench.add_argument("name", choices=["control-plane", "ipc"])
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.set_defaults(func=cmd_bench)
     return parser
 
