@@ -163,3 +163,24 @@ def test_events_serialise_to_json_dicts() -> None:
     assert record["request_id"] == "j"
     assert record["source"] == "WAITING" and record["dest"] == "FINISHED_ERROR"
     assert record["reason"] == "boom" and record["rejected"] is False
+
+
+def test_the_live_machine_matches_the_table() -> None:
+    moves = RequestMachine().legal_moves()
+    expected = [
+        (source, trigger, dest)
+        for trigger, (sources, dest) in TRANSITION_TABLE.items()
+        for source in sources
+    ]
+    assert sorted(moves) == sorted(expected)
+
+
+def test_docs_diagram_is_generated_from_the_machine() -> None:
+    from pathlib import Path
+
+    from diffusion_runtime.fsm.diagram import mermaid_state_diagram
+
+    doc = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
+    assert "```mermaid\n" + mermaid_state_diagram() + "```" in doc, (
+        "docs/architecture.md is stale: paste `python -m diffusion_runtime.fsm.diagram`"
+    )

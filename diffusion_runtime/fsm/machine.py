@@ -194,6 +194,16 @@ class RequestMachine(Generic[L]):
         self.fire(request, Trigger.ABORT, reason=reason)
         return True
 
+    def legal_moves(self) -> list[tuple[RequestStatus, Trigger, RequestStatus]]:
+        """``(source, trigger, dest)`` for every transition, read back from the
+        ``transitions`` machine itself (the docs diagram is drawn from this)."""
+        return [
+            (RequestStatus[source], Trigger(name), RequestStatus[transition.dest])
+            for name, event in self._machine.events.items()
+            for source, transitions in event.transitions.items()
+            for transition in transitions
+        ]
+
     def can_fire(self, request: L, trigger: Trigger) -> bool:
         return request.state in TRANSITION_TABLE[trigger][0]
 
