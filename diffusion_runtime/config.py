@@ -19,6 +19,7 @@ from diffusion_runtime.validation import (
 
 EXECUTION_MODES = ("request", "step")
 BUILTIN_BACKENDS = ("uni", "mp")
+AUDIT_MODES = ("off", "report", "raise")
 
 
 def default_device() -> str:
@@ -62,6 +63,11 @@ def _is_backend(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> N
     )
 
 
+def _is_optional_path(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not (isinstance(value, str) and value):
+        fail(instance, attribute.name, "must be a non-empty file path or None", value)
+
+
 def _is_extension_list(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not all(isinstance(item, (str, type)) for item in value):
         fail(instance, attribute.name, "must hold classes or 'module:attr' import paths", value)
@@ -80,6 +86,9 @@ class EngineConfig:
     ``preview_interval`` steps. ``init_distributed`` joins the worker processes
     in a ``torch.distributed`` group; ``worker_start_timeout_s`` bounds their
     start-up and ``shutdown_grace_s`` how long they get to stop before being killed.
+    ``trace_path`` writes every event as JSON lines; ``audit`` checks the
+    invariants online and, on a violation, logs it (``"report"``) or fails the
+    engine (``"raise"``).
     """
 
     pipeline: str | Callable[..., Any] = attrs.field(default="digits", validator=_is_pipeline_spec)
@@ -106,6 +115,8 @@ class EngineConfig:
         default=300.0, validator=finite_in_range(0.1, 86_400.0)
     )
     shutdown_grace_s: float = attrs.field(default=5.0, validator=finite_in_range(0.0, 3_600.0))
+    trace_path: str | None = attrs.field(default=None, validator=_is_optional_path)
+    audit: str = attrs.field(default="off", validator=one_of(*AUDIT_MODES))
 
     @property
     def resolved_mode(self) -> str:

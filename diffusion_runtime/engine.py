@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import itertools
 import logging
 import random
@@ -29,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequenc
 from typing import Any
 
 import attrs
+import torch
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.errors import (
@@ -40,11 +42,15 @@ from diffusion_runtime.errors import (
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.executor.selection import resolve_executor_class
 from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine, RequestStatus, Trigger
+from diffusion_runtime.fsm.audit import Auditor, InvariantViolation, Violation
+from diffusion_runtime.fsm.events import DeliveryEvent, EngineEvent, RunnerEvent, WaveEvent
+from diffusion_runtime.fsm.trace import JsonlTraceWriter
 from diffusion_runtime.outputs import RequestMetrics, RequestOutput
 from diffusion_runtime.runner.model_runner import describe_error
 from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.sampling_params import MAX_SEED, SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
+from diffusion_runtime.scheduler.output import SchedulerOutput
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
 from diffusion_runtime.scheduler.step_scheduler import StepScheduler
@@ -107,10 +113,13 @@ class DiffusionEngine:
         self._id_counter = itertools.count()
         self._seeds = random.Random(secrets.randbits(64))
         self._last_batch_key: tuple[SamplingParams | None, Hashable] = (None, None)
+        self._trace_writer: JsonlTraceWriter | None = None
+        self.auditor: Auditor | None = None
         self._executor = (
             executor if executor is not None else resolve_executor_class(config)(config)
         )
         try:
+            self._start_trace()
             if scheduler_cls is None:
                 step_mode = config.resolved_mode == "step"
                 scheduler_cls = StepScheduler if step_mode else RequestScheduler
@@ -124,6 +133,7 @@ class DiffusionEngine:
             self._thread.start()
         except BaseException:
             self._executor.shutdown()
+            self._end_trace(EngineEvent("dead", time.monotonic(), "start-up failed"))
             raise
 
     @classmethod
@@ -305,7 +315,42 @@ class DiffusionEngine:
             self._thread.join()
             error = EngineClosedError("the engine was closed")
             self._end_all(error, Trigger.ABORT)
+            if self._fatal is None and not self._executor.is_failed:
+                with self._lock:
+                    release = self._trace_wave(self.scheduler.schedule_release())
+                if release is not None:
+                    self._release_on_workers(release)
             self._executor.shutdown()
+            self._end_trace(EngineEvent("closed", time.monotonic()))
+
+    def _start_trace(self) -> None:
+        config = self.config
+        if config.trace_path is not None:
+            self._trace_writer = JsonlTraceWriter(config.trace_path)
+            self.machine.subscribe(self._trace_writer)
+        if config.audit != "off":
+            self.auditor = Auditor(on_violation=self._on_violation)
+            self.machine.subscribe(self.auditor.feed)
+        if self.machine.traced:
+            self.machine.publish(EngineEvent("started", time.monotonic()))
+
+    def _on_violation(self, violation: Violation) -> None:
+        logger.error("invariant violated: %s", violation.describe())
+        if self.config.audit == "raise":
+            raise InvariantViolation(violation)
+
+    def _end_trace(self, event: EngineEvent) -> None:
+        """Publish the engine's last event, run the auditor's end checks, close the trace."""
+        with self._lock:
+            if self.machine.traced:
+                self.machine.publish(event)
+            if self.auditor is not None:
+                try:
+                    self.auditor.finish()
+                except InvariantViolation:
+                    logger.error("the engine ended with invariant violations")
+            if self._trace_writer is not None:
+                self._trace_writer.close()
 
     def _between_ticks(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run ``fn`` on the loop thread between two ticks and return its result."""
@@ -414,6 +459,7 @@ class DiffusionEngine:
                 error.__cause__ = exc
             self._fatal = error
             self._end_all(error, Trigger.FAIL)
+            self._end_trace(EngineEvent("dead", time.monotonic(), str(error)))
 
     def _tick(self) -> bool:
         """One pass of the control loop; False once the engine is closing."""
@@ -425,33 +471,89 @@ class DiffusionEngine:
             if self._closed:
                 return False
             self._apply_aborts()
-            output = self.scheduler.schedule(time.monotonic())
+            output = self._trace_wave(self.scheduler.schedule(time.monotonic()))
         if output is None:
             self._flush_wakes()
             wake_at = self.scheduler.next_wakeup()
             self._wakeup.wait(None if wake_at is None else max(0.0, wake_at - time.monotonic()))
             return True
-        try:
-            result = self._executor.execute(output)
-        except EngineDeadError:
-            raise
-        except Exception as exc:
-            logger.exception("executor failed on wave %d", output.wave_id)
-            result = RunnerOutput.failed(output.wave_id, output.scheduled_ids, describe_error(exc))
-        release = None
+        result = self._execute(output)
         with self._lock:
+            self._trace_runner(result)
             aborted_running = self._apply_aborts()
             self.scheduler.update_from_output(output, result)
             if self.config.streaming_output:
                 self._deliver_progress(result)
-            if aborted_running:
-                # The workers may still hold state for requests aborted during
-                # this wave: release it now rather than with a future wave.
-                release = self.scheduler.schedule_release()
+            # The workers may still hold state for requests aborted during this
+            # wave: release it now rather than with a future wave.
+            release = (
+                self._trace_wave(self.scheduler.schedule_release()) if aborted_running else None
+            )
         if release is not None:
-            self._executor.execute(release)
+            self._release_on_workers(release)
         self._flush_wakes()
         return True
+
+    def _execute(self, output: SchedulerOutput) -> RunnerOutput:
+        try:
+            return self._executor.execute(output)
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            logger.exception("executor failed on wave %d", output.wave_id)
+            return RunnerOutput.failed(output.wave_id, output.scheduled_ids, describe_error(exc))
+
+    def _release_on_workers(self, release: SchedulerOutput) -> None:
+        result = self._execute(release)
+        with self._lock:
+            self._trace_runner(result)
+
+    # -- tracing -----------------------------------------------------------------------
+
+    def _trace_wave(self, output: SchedulerOutput | None) -> SchedulerOutput | None:
+        if output is not None and self.machine.traced:
+            self.machine.publish(
+                WaveEvent(
+                    output.wave_id,
+                    tuple(r.request_id for r in output.scheduled_new_reqs),
+                    output.scheduled_cached_ids,
+                    output.finished_ids,
+                    time.monotonic(),
+                )
+            )
+        return output
+
+    def _trace_runner(self, result: RunnerOutput) -> None:
+        if self.machine.traced:
+            self.machine.publish(
+                RunnerEvent(
+                    result.wave_id,
+                    tuple(result.executed),
+                    tuple(result.images),
+                    tuple(result.progress),
+                    tuple(result.errors),
+                    tuple(result.created),
+                    tuple(result.released),
+                    time.monotonic(),
+                )
+            )
+
+    def _trace_delivery(
+        self, request: Request, output: RequestOutput | None, status: RequestStatus
+    ) -> None:
+        """Publish a delivery (``output``) or a drop (``None``) of one of ``request``'s outputs."""
+        images = None if output is None else output.image_batch
+        self.machine.publish(
+            DeliveryEvent(
+                request.request_id,
+                status,
+                finished=output is None or output.finished,
+                dropped=output is None,
+                digest="" if images is None else _digest(images),
+                fingerprint=_fingerprint(request),
+                time=time.monotonic(),
+            )
+        )
 
     def _apply_aborts(self) -> bool:
         """Apply queued aborts; True if any of them ended a running request."""
@@ -492,8 +594,10 @@ class DiffusionEngine:
     def _deliver_final(self, request: Request, event: LifecycleEvent) -> None:
         sink, request.sink = request.sink, None
         images, request.images = request.images, None
-        if sink is None:
-            return  # the consumer is gone: the output is dropped
+        if sink is None:  # the consumer is gone: the output is dropped
+            if self.machine.traced:
+                self._trace_delivery(request, None, event.dest)
+            return
         scheduled = request.scheduled_time
         metrics = RequestMetrics(
             queue_time_s=(scheduled if scheduled is not None else event.time)
@@ -502,19 +606,20 @@ class DiffusionEngine:
             total_time_s=event.time - request.arrival_time,
         )
         completed = event.dest is RequestStatus.FINISHED_COMPLETED
-        sink.push(
-            RequestOutput(
-                request_id=request.request_id,
-                status=event.dest,
-                finished=True,
-                image_batch=images,
-                seed=request.seed,
-                error=None if completed else event.reason,
-                metrics=metrics,
-                step=request.step_index if request.num_steps is not None else None,
-                num_steps=request.num_steps,
-            )
+        output = RequestOutput(
+            request_id=request.request_id,
+            status=event.dest,
+            finished=True,
+            image_batch=images,
+            seed=request.seed,
+            error=None if completed else event.reason,
+            metrics=metrics,
+            step=request.step_index if request.num_steps is not None else None,
+            num_steps=request.num_steps,
         )
+        if self.machine.traced:
+            self._trace_delivery(request, output, event.dest)
+        sink.push(output)
 
     def _deliver_progress(self, result: RunnerOutput) -> None:
         """Intermediate outputs: step i of n, with a preview image when there is one."""
@@ -522,17 +627,18 @@ class DiffusionEngine:
             request = self.scheduler.running.get(request_id)
             if request is None or request.sink is None:
                 continue
-            request.sink.push(
-                RequestOutput(
-                    request_id=request_id,
-                    status=RequestStatus.RUNNING,
-                    finished=False,
-                    image_batch=result.previews.get(request_id),
-                    seed=request.seed,
-                    step=step,
-                    num_steps=num_steps,
-                )
+            output = RequestOutput(
+                request_id=request_id,
+                status=RequestStatus.RUNNING,
+                finished=False,
+                image_batch=result.previews.get(request_id),
+                seed=request.seed,
+                step=step,
+                num_steps=num_steps,
             )
+            if self.machine.traced:
+                self._trace_delivery(request, output, RequestStatus.RUNNING)
+            request.sink.push(output)
 
     def _release_executor_bookkeeping(self, request: Request, event: LifecycleEvent) -> None:
         self._executor.release_request(request.request_id)
@@ -550,3 +656,25 @@ class DiffusionEngine:
             except RuntimeError:  # the consumer's event loop is closed
                 for stream in streams:
                     stream.close()
+
+
+def _digest(images: torch.Tensor) -> str:
+    """A fingerprint of an image tensor's bytes."""
+    raw = images.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(raw, digest_size=12).hexdigest()
+
+
+def _fingerprint(request: Request) -> str:
+    """A fingerprint of everything a request's output may depend on."""
+    p = request.params
+    inputs = (
+        repr(request.prompt),
+        request.seed,
+        p.num_inference_steps,
+        p.guidance_scale,
+        p.num_outputs_per_prompt,
+        p.height,
+        p.width,
+        sorted((k, repr(v)) for k, v in p.extra_args.items()),
+    )
+    return hashlib.blake2b(repr(inputs).encode(), digest_size=12).hexdigest()

@@ -20,6 +20,8 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, RequestOutput, SamplingParams
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
+from diffusion_runtime.fsm.audit import Auditor
+from diffusion_runtime.fsm.events import TraceEvent
 from diffusion_runtime.runner.protocols import PipelineRequest
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline, SeededNoisePipeline
 
@@ -42,7 +44,8 @@ class EngineLifecycle(RuleBasedStateMachine):
             )
         )
         self.events: list[LifecycleEvent] = []
-        self.engine.machine.subscribe(self.events.append)
+        self.auditor = Auditor()
+        self.engine.machine.subscribe(self._record)
         self.pipeline.forward_batches.clear()
         self.pipeline.step_batches.clear()
         self.loop = asyncio.new_event_loop()
@@ -93,7 +96,16 @@ class EngineLifecycle(RuleBasedStateMachine):
         self.engine.close()
         self.closed = True
 
+    def _record(self, event: TraceEvent) -> None:
+        self.auditor.feed(event)
+        if isinstance(event, LifecycleEvent):
+            self.events.append(event)
+
     # -- invariants --------------------------------------------------------------------
+
+    @invariant()
+    def the_auditor_finds_nothing(self) -> None:
+        assert self.auditor.violations == [], self.auditor.violations[0].describe()
 
     @invariant()
     def the_runtime_never_attempts_an_illegal_transition(self) -> None:
@@ -125,6 +137,9 @@ class EngineLifecycle(RuleBasedStateMachine):
                 self.read_all()
             self.engine.close()
             self._check_final_states()
+            assert self.auditor.complete
+            violations = self.auditor.finish()
+            assert violations == [], violations[0].describe()
         finally:
             self.engine.close()
             self.loop.close()

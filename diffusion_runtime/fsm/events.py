@@ -1,6 +1,12 @@
-"""Lifecycle events: the record every transition leaves behind."""
+"""Trace events: the record every transition and every step of execution leaves behind.
+
+Every event has a ``kind``, a monotonic ``time`` and a JSON form; the auditor
+checks the runtime's invariants over a stream of them, online or from a file.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import attrs
 
@@ -29,9 +35,11 @@ class LifecycleEvent:
     reason: str | None = None
     rejected: bool = False
 
-    def to_json_dict(self) -> dict[str, object]:
+    kind = "lifecycle"
+
+    def to_json_dict(self) -> dict[str, Any]:
         return {
-            "kind": "lifecycle",
+            "kind": self.kind,
             "request_id": self.request_id,
             "source": None if self.source is None else self.source.value,
             "dest": self.dest.value,
@@ -41,3 +49,175 @@ class LifecycleEvent:
             "reason": self.reason,
             "rejected": self.rejected,
         }
+
+
+@attrs.frozen(slots=True)
+class WaveEvent:
+    """A scheduler output: what the scheduler asked the workers to run (INV-002)."""
+
+    wave_id: int
+    new_ids: tuple[str, ...]
+    cached_ids: tuple[str, ...]
+    finished_ids: tuple[str, ...]
+    time: float
+
+    kind = "wave"
+
+    @property
+    def scheduled_ids(self) -> tuple[str, ...]:
+        return self.cached_ids + self.new_ids
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "wave_id": self.wave_id,
+            "new_ids": list(self.new_ids),
+            "cached_ids": list(self.cached_ids),
+            "finished_ids": list(self.finished_ids),
+            "time": self.time,
+        }
+
+
+@attrs.frozen(slots=True)
+class RunnerEvent:
+    """What a worker's runner did for one scheduler output.
+
+    ``executed``: ids handed to the pipeline, in order. ``produced``: ids with
+    final images; ``progressed``: ids that advanced a step; ``failed``: ids with
+    an error. ``created``/``released``: ids whose runner state was created or
+    dropped.
+    """
+
+    wave_id: int
+    executed: tuple[str, ...]
+    produced: tuple[str, ...]
+    progressed: tuple[str, ...]
+    failed: tuple[str, ...]
+    created: tuple[str, ...]
+    released: tuple[str, ...]
+    time: float
+
+    kind = "runner"
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "wave_id": self.wave_id,
+            "executed": list(self.executed),
+            "produced": list(self.produced),
+            "progressed": list(self.progressed),
+            "failed": list(self.failed),
+            "created": list(self.created),
+            "released": list(self.released),
+            "time": self.time,
+        }
+
+
+@attrs.frozen(slots=True)
+class DeliveryEvent:
+    """An output handed to (or dropped for lack of) a request's consumer.
+
+    ``digest`` fingerprints the images (empty when there are none), and
+    ``fingerprint`` the request's inputs (prompt, seed, parameters): two
+    deliveries with equal fingerprints must carry equal digests (INV-005).
+    """
+
+    request_id: str
+    status: RequestStatus
+    finished: bool
+    dropped: bool
+    digest: str
+    fingerprint: str
+    time: float
+
+    kind = "delivery"
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "request_id": self.request_id,
+            "status": self.status.value,
+            "finished": self.finished,
+            "dropped": self.dropped,
+            "digest": self.digest,
+            "fingerprint": self.fingerprint,
+            "time": self.time,
+        }
+
+
+@attrs.frozen(slots=True)
+class ResourceEvent:
+    """A per-request resource (executor bookkeeping, a shared-memory segment) taken or freed."""
+
+    request_id: str
+    resource: str
+    acquired: bool
+    time: float
+
+    kind = "resource"
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "request_id": self.request_id,
+            "resource": self.resource,
+            "acquired": self.acquired,
+            "time": self.time,
+        }
+
+
+@attrs.frozen(slots=True)
+class EngineEvent:
+    """The engine started, closed or died; a trace that ends with ``closed`` is complete."""
+
+    state: str
+    time: float
+    reason: str | None = None
+
+    kind = "engine"
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "state": self.state, "time": self.time, "reason": self.reason}
+
+
+TraceEvent = (
+    LifecycleEvent | WaveEvent | RunnerEvent | DeliveryEvent | ResourceEvent | EngineEvent
+)
+
+
+def event_from_json(record: dict[str, Any]) -> TraceEvent:
+    """Rebuild an event from its JSON form (a line of a trace file)."""
+    kind = record.get("kind")
+    fields = {k: v for k, v in record.items() if k != "kind"}
+    if kind == "lifecycle":
+        source = fields["source"]
+        fields["source"] = None if source is None else RequestStatus(source)
+        fields["dest"] = RequestStatus(fields["dest"])
+        return LifecycleEvent(**fields)
+    if kind == "wave":
+        return WaveEvent(
+            fields["wave_id"],
+            tuple(fields["new_ids"]),
+            tuple(fields["cached_ids"]),
+            tuple(fields["finished_ids"]),
+            fields["time"],
+        )
+    if kind == "runner":
+        return RunnerEvent(
+            wave_id=fields["wave_id"],
+            executed=tuple(fields["executed"]),
+            produced=tuple(fields["produced"]),
+            progressed=tuple(fields["progressed"]),
+            failed=tuple(fields["failed"]),
+            created=tuple(fields["created"]),
+            released=tuple(fields["released"]),
+            time=fields["time"],
+        )
+    if kind == "delivery":
+        fields["status"] = RequestStatus(fields["status"])
+        return DeliveryEvent(**fields)
+    if kind == "resource":
+        return ResourceEvent(**fields)
+    if kind == "engine":
+        return EngineEvent(**fields)
+    raise ValueError(f"unknown trace event kind {kind!r}")

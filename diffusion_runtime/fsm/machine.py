@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 
 from transitions import Machine, MachineError
 
-from diffusion_runtime.fsm.events import ADMIT, LifecycleEvent
+from diffusion_runtime.fsm.events import ADMIT, LifecycleEvent, TraceEvent
 from diffusion_runtime.fsm.states import RequestStatus
 
 WAITING = RequestStatus.WAITING
@@ -105,7 +105,7 @@ class RequestLifecycle:
 
 L = TypeVar("L", bound=RequestLifecycle)
 LifecycleHook = Callable[[L, LifecycleEvent], None]
-EventSubscriber = Callable[[LifecycleEvent], None]
+EventSubscriber = Callable[[TraceEvent], None]
 
 
 class RequestMachine(Generic[L]):
@@ -141,11 +141,22 @@ class RequestMachine(Generic[L]):
         self._hooks[hook].append(fn)
 
     def subscribe(self, fn: EventSubscriber) -> None:
-        """Send every lifecycle event (including rejected triggers) to ``fn``."""
+        """Send every event to ``fn``: transitions (including rejected triggers)
+        and what components :meth:`publish`."""
         self._subscribers.append(fn)
 
     def unsubscribe(self, fn: EventSubscriber) -> None:
         self._subscribers.remove(fn)
+
+    @property
+    def traced(self) -> bool:
+        """Whether anyone listens; components skip building events when not."""
+        return bool(self._subscribers)
+
+    def publish(self, event: TraceEvent) -> None:
+        """Send a component's event (a wave, a runner result, a delivery) to subscribers."""
+        for fn in self._subscribers:
+            fn(event)
 
     # -- firing ------------------------------------------------------------------
 
@@ -170,7 +181,7 @@ class RequestMachine(Generic[L]):
             self._events[trigger].trigger(request, wave_id=wave_id, reason=reason)
         except MachineError:
             state = request.state
-            self._publish(
+            self.publish(
                 LifecycleEvent(
                     request.request_id,
                     state,
@@ -198,7 +209,7 @@ class RequestMachine(Generic[L]):
         """``(source, trigger, dest)`` for every transition, read back from the
         ``transitions`` machine itself (the docs diagram is drawn from this)."""
         return [
-            (RequestStatus[source], Trigger(name), RequestStatus[transition.dest])
+            (RequestStatus[source], Trigger(name), RequestStatus[str(transition.dest)])
             for name, event in self._machine.events.items()
             for source, transitions in event.transitions.items()
             for transition in transitions
@@ -223,8 +234,11 @@ class RequestMachine(Generic[L]):
         self._dispatch(event_data.model, event)
 
     def _dispatch(self, request: L, event: LifecycleEvent) -> None:
-        self._publish(event)
         first_error: BaseException | None = None
+        try:
+            self.publish(event)
+        except BaseException as exc:
+            first_error = exc
         for fn in self._hooks[ENTRY_HOOKS[event.dest]]:
             try:
                 fn(request, event)
@@ -233,7 +247,3 @@ class RequestMachine(Generic[L]):
                     first_error = exc
         if first_error is not None:
             raise first_error
-
-    def _publish(self, event: LifecycleEvent) -> None:
-        for fn in self._subscribers:
-            fn(event)

@@ -64,8 +64,8 @@ class ModelRunner:
         self.input_batch = InputBatch()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        self.release_requests(scheduler_output.finished_ids)
         result = RunnerOutput(scheduler_output.wave_id)
+        result.released.extend(self._release(scheduler_output.finished_ids))
         with torch.inference_mode():
             if self.step_mode:
                 self._step(scheduler_output, result)
@@ -75,8 +75,11 @@ class ModelRunner:
 
     def release_requests(self, request_ids: Sequence[str]) -> None:
         """Drop the step state of finished requests (no-op for ids not held)."""
-        for request_id in request_ids:
-            self.states.pop(request_id, None)
+        self._release(request_ids)
+
+    def _release(self, request_ids: Sequence[str]) -> list[str]:
+        states = self.states
+        return [rid for rid in request_ids if states.pop(rid, None) is not None]
 
     def cached_request_ids(self) -> list[str]:
         """Ids of requests with state held between outputs."""
@@ -88,6 +91,7 @@ class ModelRunner:
         batch = [self._pipeline_request(data) for data in scheduler_output.scheduled_new_reqs]
         if not batch:
             return
+        result.executed.extend(request.request_id for request in batch)
         if self.pipeline.supports_request_batch:
             self._forward(batch, result)
         else:
@@ -120,6 +124,7 @@ class ModelRunner:
         for data in scheduler_output.scheduled_new_reqs:
             try:
                 self.states[data.request_id] = pipeline.prepare_encode(self._pipeline_request(data))
+                result.created.append(data.request_id)
             except Exception as exc:
                 _reraise_if_sticky(exc)
                 result.errors[data.request_id] = describe_error(exc)
@@ -133,6 +138,7 @@ class ModelRunner:
             return
         batch = self.input_batch
         batch.update(tuple(ids), self.states)
+        result.executed.extend(ids)
         try:
             model_outputs = pipeline.denoise_step(batch)
             if len(model_outputs) != len(batch):
@@ -148,6 +154,7 @@ class ModelRunner:
         for request_id in ids:  # finished or failed here: free the tensors now
             if request_id in result.errors or request_id in result.images:
                 del self.states[request_id]
+                result.released.append(request_id)
 
     def _advance(
         self,

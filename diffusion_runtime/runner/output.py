@@ -16,6 +16,9 @@ class RunnerOutput:
     missing result. In step mode, ``progress`` maps each stepped request to
     ``(step_index, num_steps)`` after the step, ``images`` holds only requests
     that finished their last step, and ``previews`` holds intermediate images.
+    ``executed`` lists the ids handed to the pipeline, in order; ``created`` and
+    ``released`` the ids whose runner state was created or dropped (the trace
+    and the auditor check them against the scheduler's output).
     """
 
     wave_id: int
@@ -23,6 +26,9 @@ class RunnerOutput:
     errors: dict[str, str] = attrs.field(factory=dict)
     progress: dict[str, tuple[int, int]] = attrs.field(factory=dict)
     previews: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    executed: list[str] = attrs.field(factory=list)
+    created: list[str] = attrs.field(factory=list)
+    released: list[str] = attrs.field(factory=list)
 
     @classmethod
     def failed(cls, wave_id: int, request_ids: tuple[str, ...], message: str) -> RunnerOutput:

@@ -1,0 +1,489 @@
+"""The invariant auditor: checks DIFF-RUNTIME-INV-001..005 over a stream of trace events.
+
+Each invariant is a small checker with two methods: ``feed(event)`` returns the
+violations an event reveals, and ``finish(complete)`` those only visible at the
+end of a trace (``complete`` is True when the trace ends with the engine
+closing cleanly). An :class:`Auditor` runs a set of checkers, online (as an
+engine's event subscriber) or offline (over a trace file). Adding an invariant
+is adding a checker; see ``docs/auditing.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import attrs
+
+from diffusion_runtime.fsm.events import (
+    ADMIT,
+    DeliveryEvent,
+    EngineEvent,
+    LifecycleEvent,
+    ResourceEvent,
+    RunnerEvent,
+    TraceEvent,
+    WaveEvent,
+)
+from diffusion_runtime.fsm.states import TERMINAL_STATES, RequestStatus
+
+
+@attrs.frozen
+class Violation:
+    """One broken invariant, with the events that prove it."""
+
+    invariant: str
+    request_id: str | None
+    message: str
+    evidence: tuple[TraceEvent, ...] = ()
+
+    def describe(self) -> str:
+        subject = f"request {self.request_id!r}: " if self.request_id is not None else ""
+        lines = [f"{self.invariant} {subject}{self.message}"]
+        lines.extend(f"    {event.to_json_dict()}" for event in self.evidence)
+        return "\n".join(lines)
+
+
+class InvariantViolation(AssertionError):
+    """Raised by an auditor in ``raise`` mode."""
+
+    def __init__(self, violation: Violation) -> None:
+        self.violation = violation
+        super().__init__(violation.describe())
+
+
+class InvariantChecker(Protocol):
+    """One invariant. ``invariant`` is its id, ``rule`` one sentence saying it."""
+
+    invariant: str
+    rule: str
+
+    def feed(self, event: TraceEvent) -> list[Violation]: ...
+
+    def finish(self, complete: bool) -> list[Violation]: ...
+
+
+class OneLifecycleOwner:
+    """Each admitted request id has one lifecycle, from admission to exactly one
+    terminal state, and no component ever attempts an illegal transition."""
+
+    invariant = "INV-001"
+    rule = (
+        "each admitted request id has exactly one lifecycle, ending in exactly one terminal state"
+    )
+
+    def __init__(self) -> None:
+        self.open: dict[str, LifecycleEvent] = {}
+        self.closed: dict[str, LifecycleEvent] = {}
+
+    def feed(self, event: TraceEvent) -> list[Violation]:
+        if not isinstance(event, LifecycleEvent):
+            return []
+        rid = event.request_id
+        if event.rejected:
+            return [
+                self._violation(
+                    rid, f"a component attempted {event.trigger!r} in {event.dest}", event
+                )
+            ]
+        if event.trigger == ADMIT:
+            previous = self.open.get(rid)
+            self.closed.pop(rid, None)
+            self.open[rid] = event
+            if previous is not None:
+                return [
+                    self._violation(
+                        rid, "admitted while its lifecycle is still open", previous, event
+                    )
+                ]
+            return []
+        last = self.open.get(rid)
+        if last is None:
+            ended = self.closed.get(rid)
+            message = (
+                "transition after its terminal state" if ended else "transition without admission"
+            )
+            return [self._violation(rid, message, *(e for e in (ended, event) if e is not None))]
+        problems = []
+        if event.source is not last.dest:
+            problems.append(
+                self._violation(
+                    rid, f"moved from {event.source} but was in {last.dest}", last, event
+                )
+            )
+        if event.dest in TERMINAL_STATES:
+            del self.open[rid]
+            self.closed[rid] = event
+        else:
+            self.open[rid] = event
+        return problems
+
+    def finish(self, complete: bool) -> list[Violation]:
+        if not complete:
+            return []
+        return [
+            self._violation(rid, f"never reached a terminal state (last: {last.dest})", last)
+            for rid, last in self.open.items()
+        ]
+
+    def state_of(self, request_id: str) -> RequestStatus | None:
+        last = self.open.get(request_id) or self.closed.get(request_id)
+        return None if last is None else last.dest
+
+    def _violation(self, rid: str, message: str, *events: TraceEvent) -> Violation:
+        return Violation(self.invariant, rid, message, events)
+
+
+class ExecutionFollowsScheduler:
+    """Workers run exactly the ids of each scheduler output, in its order, and
+    nothing for an output the scheduler never emitted."""
+
+    invariant = "INV-002"
+    rule = "executors and workers run exactly the ids the scheduler emitted, in its order"
+
+    def __init__(self) -> None:
+        self.waves: dict[int, WaveEvent] = {}
+
+    def feed(self, event: TraceEvent) -> list[Violation]:
+        if isinstance(event, WaveEvent):
+            self.waves[event.wave_id] = event
+            return []
+        if not isinstance(event, RunnerEvent):
+            return []
+        wave = self.waves.pop(event.wave_id, None)
+        if wave is None:
+            return [
+                Violation(
+                    self.invariant,
+                    None,
+                    f"ran wave {event.wave_id}, which was never scheduled",
+                    (event,),
+                )
+            ]
+        scheduled = wave.scheduled_ids
+        problems = []
+        extra = [rid for rid in event.executed if rid not in scheduled]
+        for rid in extra:
+            problems.append(
+                Violation(
+                    self.invariant,
+                    rid,
+                    f"executed in wave {wave.wave_id} without being scheduled",
+                    (wave, event),
+                )
+            )
+        skipped = [
+            rid for rid in scheduled if rid not in event.executed and rid not in event.failed
+        ]
+        for rid in skipped:
+            problems.append(
+                Violation(
+                    self.invariant,
+                    rid,
+                    f"scheduled in wave {wave.wave_id} but neither run nor failed",
+                    (wave, event),
+                )
+            )
+        ran_in_order = [rid for rid in scheduled if rid in event.executed]
+        if not extra and list(event.executed) != ran_in_order:
+            problems.append(
+                Violation(
+                    self.invariant,
+                    None,
+                    f"wave {wave.wave_id} ran in another order than scheduled",
+                    (wave, event),
+                )
+            )
+        return problems
+
+    def finish(self, complete: bool) -> list[Violation]:
+        if not complete:
+            return []
+        return [
+            Violation(self.invariant, None, f"wave {wid} was scheduled but never ran", (wave,))
+            for wid, wave in self.waves.items()
+        ]
+
+
+class TerminalCleanup:
+    """After a terminal state nothing is left: runner state is released by the
+    end of the next output, resources are freed, no work or output follows
+    except the one final delivery."""
+
+    invariant = "INV-003"
+    rule = "every terminal path releases runner state, resources and the stream entry"
+
+    def __init__(self) -> None:
+        self.terminal: dict[str, LifecycleEvent] = {}
+        self.held: dict[str, RunnerEvent] = {}
+        self.resources: dict[tuple[str, str], ResourceEvent] = {}
+        self.delivered: set[str] = set()
+        self.due_by_wave: dict[int, set[str]] = {}
+
+    def feed(self, event: TraceEvent) -> list[Violation]:
+        if isinstance(event, LifecycleEvent) and not event.rejected:
+            if event.trigger == ADMIT:
+                self.terminal.pop(event.request_id, None)
+                self.delivered.discard(event.request_id)
+            elif event.dest in TERMINAL_STATES:
+                self.terminal[event.request_id] = event
+            return []
+        if isinstance(event, WaveEvent):
+            # Ids already terminal when this output was made must be gone once it has run.
+            self.due_by_wave[event.wave_id] = {rid for rid in self.held if rid in self.terminal}
+            return []
+        if isinstance(event, RunnerEvent):
+            return self._runner(event)
+        if isinstance(event, ResourceEvent):
+            return self._resource(event)
+        if isinstance(event, DeliveryEvent):
+            return self._delivery(event)
+        return []
+
+    def _runner(self, event: RunnerEvent) -> list[Violation]:
+        problems = []
+        for rid in event.executed:
+            ended = self.terminal.get(rid)
+            if ended is not None and ended.time < event.time and rid not in event.failed:
+                problems.append(
+                    self._violation(
+                        rid, "the runner worked on it after its terminal state", ended, event
+                    )
+                )
+        for rid in event.created:
+            self.held[rid] = event
+        for rid in event.released:
+            self.held.pop(rid, None)
+        for rid in self.due_by_wave.pop(event.wave_id, set()):
+            if rid in self.held:
+                problems.append(
+                    self._violation(
+                        rid,
+                        "runner state outlived the first output after its terminal state",
+                        self.terminal[rid],
+                        event,
+                    )
+                )
+        return problems
+
+    def _resource(self, event: ResourceEvent) -> list[Violation]:
+        key = (event.request_id, event.resource)
+        if event.acquired:
+            self.resources[key] = event
+            ended = self.terminal.get(event.request_id)
+            if ended is not None:
+                return [
+                    self._violation(
+                        event.request_id,
+                        f"{event.resource} taken after its terminal state",
+                        ended,
+                        event,
+                    )
+                ]
+        else:
+            self.resources.pop(key, None)
+        return []
+
+    def _delivery(self, event: DeliveryEvent) -> list[Violation]:
+        rid = event.request_id
+        ended = self.terminal.get(rid)
+        if not event.finished:
+            if ended is not None:
+                return [
+                    self._violation(
+                        rid, "an intermediate output after its terminal state", ended, event
+                    )
+                ]
+            return []
+        if rid in self.delivered:
+            return [self._violation(rid, "a second final output", event)]
+        self.delivered.add(rid)
+        if ended is None:
+            return [self._violation(rid, "a final output before any terminal state", event)]
+        return []
+
+    def finish(self, complete: bool) -> list[Violation]:
+        problems = [
+            self._violation(rid, "runner state never released", self.terminal[rid], created)
+            for rid, created in self.held.items()
+            if rid in self.terminal or complete
+        ]
+        problems += [
+            self._violation(rid, f"{resource} never released", taken)
+            for (rid, resource), taken in self.resources.items()
+            if rid in self.terminal or complete
+        ]
+        if complete:
+            problems += [
+                self._violation(
+                    rid, "terminal, but no final output was delivered or dropped", ended
+                )
+                for rid, ended in self.terminal.items()
+                if rid not in self.delivered
+            ]
+        return problems
+
+    def _violation(self, rid: str, message: str, *events: TraceEvent) -> Violation:
+        return Violation(self.invariant, rid, message, events)
+
+
+class HooksNotLifecycles:
+    """Components act on a request only inside its one lifecycle: nothing is
+    scheduled that is not running, and no output goes to an id never admitted."""
+
+    invariant = "INV-004"
+    rule = "optional features and components attach at the lifecycle's hooks, never beside it"
+
+    def __init__(self) -> None:
+        self.states: dict[str, RequestStatus] = {}
+
+    def feed(self, event: TraceEvent) -> list[Violation]:
+        if isinstance(event, LifecycleEvent):
+            if not event.rejected:
+                self.states[event.request_id] = event.dest
+            return []
+        if isinstance(event, WaveEvent):
+            return [
+                Violation(
+                    self.invariant,
+                    rid,
+                    f"in wave {event.wave_id} while {self.states.get(rid, 'never admitted')}",
+                    (event,),
+                )
+                for rid in event.scheduled_ids
+                if self.states.get(rid) is not RequestStatus.RUNNING
+            ]
+        if isinstance(event, DeliveryEvent) and event.request_id not in self.states:
+            return [
+                Violation(
+                    self.invariant,
+                    event.request_id,
+                    "an output for an id that was never admitted",
+                    (event,),
+                )
+            ]
+        return []
+
+    def finish(self, complete: bool) -> list[Violation]:
+        return []
+
+
+class ResultsKeepIdentity:
+    """Results are mapped by request id: a worker reports results only for ids it
+    ran, each id gets the status its lifecycle ended in, and equal inputs give
+    equal outputs whatever their batch mates."""
+
+    invariant = "INV-005"
+    rule = "every result stays with its request id, independent of batch composition"
+
+    def __init__(self) -> None:
+        self.digests: dict[str, DeliveryEvent] = {}
+        self.terminal: dict[str, RequestStatus] = {}
+
+    def feed(self, event: TraceEvent) -> list[Violation]:
+        if (
+            isinstance(event, LifecycleEvent)
+            and event.dest in TERMINAL_STATES
+            and not event.rejected
+        ):
+            self.terminal[event.request_id] = event.dest
+            return []
+        if isinstance(event, RunnerEvent):
+            ran = set(event.executed)
+            return [
+                Violation(
+                    self.invariant,
+                    rid,
+                    f"a result in wave {event.wave_id} for an id the runner did not run",
+                    (event,),
+                )
+                for rid in (*event.produced, *event.progressed)
+                if rid not in ran
+            ]
+        if not isinstance(event, DeliveryEvent) or not event.finished or event.dropped:
+            return []
+        problems = []
+        ended = self.terminal.get(event.request_id)
+        if ended is not None and ended is not event.status:
+            problems.append(
+                Violation(
+                    self.invariant,
+                    event.request_id,
+                    f"delivered as {event.status} but ended {ended}",
+                    (event,),
+                )
+            )
+        if event.status is RequestStatus.FINISHED_COMPLETED and event.fingerprint:
+            first = self.digests.setdefault(event.fingerprint, event)
+            if first.digest != event.digest:
+                problems.append(
+                    Violation(
+                        self.invariant,
+                        event.request_id,
+                        f"same inputs as {first.request_id!r} but a different output",
+                        (first, event),
+                    )
+                )
+        return problems
+
+    def finish(self, complete: bool) -> list[Violation]:
+        return []
+
+
+def default_checkers() -> list[InvariantChecker]:
+    """One checker per invariant, INV-001 to INV-005."""
+    return [
+        OneLifecycleOwner(),
+        ExecutionFollowsScheduler(),
+        TerminalCleanup(),
+        HooksNotLifecycles(),
+        ResultsKeepIdentity(),
+    ]
+
+
+class Auditor:
+    """Runs invariant checkers over events and keeps what they find.
+
+    Use it as an event subscriber (``engine.machine.subscribe(auditor.feed)``)
+    or feed it a trace. ``on_violation`` is called for each violation as it is
+    found (e.g. to raise :class:`InvariantViolation` or log).
+    """
+
+    def __init__(
+        self,
+        checkers: Iterable[InvariantChecker] | None = None,
+        on_violation: Callable[[Violation], None] | None = None,
+    ) -> None:
+        self.checkers = list(default_checkers() if checkers is None else checkers)
+        self.on_violation = on_violation
+        self.violations: list[Violation] = []
+        self.complete = False
+        self.events_seen = 0
+
+    def feed(self, event: TraceEvent) -> None:
+        self.events_seen += 1
+        if isinstance(event, EngineEvent):
+            self.complete = event.state == "closed"
+        for checker in self.checkers:
+            for violation in checker.feed(event):
+                self._record(violation)
+
+    def finish(self) -> list[Violation]:
+        """Run the end-of-trace checks and return every violation found."""
+        for checker in self.checkers:
+            for violation in checker.finish(self.complete):
+                self._record(violation)
+        return self.violations
+
+    def _record(self, violation: Violation) -> None:
+        self.violations.append(violation)
+        if self.on_violation is not None:
+            self.on_violation(violation)
+
+
+def audit_events(events: Iterable[TraceEvent]) -> list[Violation]:
+    """Every violation in a finished stream of events (e.g. a trace file)."""
+    auditor = Auditor()
+    for event in events:
+        auditor.feed(event)
+    return auditor.finish()
