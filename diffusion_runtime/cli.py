@@ -1,4 +1,4 @@
-"""The ``diffusion-runtime`` command line: generate, eval, bench."""
+"""The ``diffusion-runtime`` command line: generate, eval, audit, bench."""
 
 from __future__ import annotations
 
@@ -162,6 +162,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0 if overall >= args.min_rate else 1
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from diffusion_runtime.fsm.audit import audit_events
+    from diffusion_runtime.fsm.trace import read_trace
+
+    violations = audit_events(read_trace(args.trace))
+    for violation in violations:
+        print(violation.describe())
+    by_invariant: dict[str, int] = {}
+    for violation in violations:
+        by_invariant[violation.invariant] = by_invariant.get(violation.invariant, 0) + 1
+    summary = ", ".join(f"{inv}: {n}" for inv, n in sorted(by_invariant.items())) or "none"
+    print(f"{len(violations)} violations ({summary}) in {args.trace}")
+    return 1 if violations else 0
+
+
 BENCHMARKS = {
     "control-plane": "diffusion_runtime.bench.control_plane:run",
     "step-vs-request": "diffusion_runtime.bench.step_vs_request:run",
@@ -200,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--min-rate", type=float, default=0.9, help="exit 1 below this rate")
     _engine_options(evaluate)
     evaluate.set_defaults(func=cmd_eval)
+
+    audit = commands.add_parser("audit", help="check a JSON-lines trace against the invariants")
+    audit.add_argument("trace", help="a trace written with EngineConfig(trace_path=...)")
+    audit.set_defaults(func=cmd_audit)
 
     bench = commands.add_parser("bench", help="run a benchmark and print JSON")
     bench.add_argument("name", choices=sorted(BENCHMARKS))

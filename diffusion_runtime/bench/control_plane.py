@@ -12,7 +12,9 @@ directly (fused batches of ``max_num_seqs``, no engine) is measured in the same 
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +58,33 @@ def direct_cost_per_request_us(
     return (time.perf_counter() - start) / count * 1e6
 
 
+def tracing_cost(max_num_seqs: int, pipeline: str, params: SamplingParams) -> dict[str, Any]:
+    """Per-request cost with tracing off, writing a JSON-lines trace, and auditing online."""
+    variants: dict[str, dict[str, Any]] = {
+        "off": {},
+        "trace_file": {"trace_path": None},
+        "online_audit": {"audit": "report"},
+    }
+    costs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in variants.items():
+            if "trace_path" in extra:
+                extra = {"trace_path": str(Path(tmp) / "trace.jsonl")}
+            config = EngineConfig(
+                pipeline=pipeline, max_num_seqs=max_num_seqs, device="cpu", warmup=False, **extra
+            )
+            with DiffusionEngine.make_engine(config) as engine:
+                engine_cost_per_request_us(engine, 1_000, 2_000, params)
+                costs[name] = statistics.median(
+                    engine_cost_per_request_us(engine, 1_000, 10_000, params)
+                )
+    off = costs["off"]
+    return {
+        **{f"{name}_us_per_request": round(cost, 2) for name, cost in costs.items()},
+        **{f"{name}_over_off": round(cost / off, 3) for name, cost in costs.items() if name != "off"},
+    }
+
+
 def run(
     depths: tuple[int, ...] = (10, 1_000, 100_000),
     max_num_seqs: int = 8,
@@ -86,6 +115,7 @@ def run(
                 "engine_throughput_over_direct": round(direct / median, 4),
                 "repeats": len(samples),
             }
+    results["tracing"] = tracing_cost(max_num_seqs, pipeline, params)
     by_depth = results["depths"]
     first, last = str(depths[0]), str(depths[-1])
     results["growth_deepest_over_shallowest"] = round(
