@@ -34,6 +34,7 @@ import torch
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.errors import (
+    DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
     InvalidFieldError,
@@ -201,6 +202,10 @@ class DiffusionEngine:
         Outputs are held for the caller until :meth:`stream` reads them, even
         when the request is aborted or finishes first.
         """
+        if request_id is not None and request_id in self._streams:
+            raise DuplicateRequestError(
+                f"request id {request_id!r} is taken: its output has not been read yet"
+            )
         stream = AsyncStream(asyncio.get_running_loop(), self._note_wake)
         request = self._new_request(prompt, params, request_id, stream)
         self._admit([request])

@@ -13,18 +13,25 @@ class InputBatch(Sequence[StepRequestState]):
 
     ``cache`` is for the pipeline: whatever it stacks from per-request
     conditioning (labels, embeddings) can be kept there and reused on every
-    step until the set of requests changes, when the cache is cleared.
+    step until the set of requests changes, when the cache is cleared. The
+    runner calls :meth:`invalidate` whenever it creates or drops a state, since
+    an id can come back with a new state (a reused request id).
     """
 
     def __init__(self) -> None:
         self._ids: tuple[str, ...] = ()
         self._states: list[StepRequestState] = []
+        self._valid = False
         self.cache: dict[str, Any] = {}
+
+    def invalidate(self) -> None:
+        self._valid = False
 
     def update(self, request_ids: tuple[str, ...], states: Mapping[str, StepRequestState]) -> bool:
         """Make the batch hold ``request_ids``; True when it had to be rebuilt."""
-        if request_ids == self._ids:
+        if self._valid and request_ids == self._ids:
             return False
+        self._valid = True
         self._ids = request_ids
         self._states = [states[rid] for rid in request_ids]
         self.cache.clear()

@@ -79,7 +79,10 @@ class ModelRunner:
 
     def _release(self, request_ids: Sequence[str]) -> list[str]:
         states = self.states
-        return [rid for rid in request_ids if states.pop(rid, None) is not None]
+        released = [rid for rid in request_ids if states.pop(rid, None) is not None]
+        if released:
+            self.input_batch.invalidate()
+        return released
 
     def cached_request_ids(self) -> list[str]:
         """Ids of requests with state held between outputs."""
@@ -125,6 +128,7 @@ class ModelRunner:
             try:
                 self.states[data.request_id] = pipeline.prepare_encode(self._pipeline_request(data))
                 result.created.append(data.request_id)
+                self.input_batch.invalidate()
             except Exception as exc:
                 _reraise_if_sticky(exc)
                 result.errors[data.request_id] = describe_error(exc)
@@ -151,10 +155,9 @@ class ModelRunner:
         else:
             for state, model_output in zip(batch, model_outputs, strict=True):
                 self._advance(pipeline, state, model_output, result)
-        for request_id in ids:  # finished or failed here: free the tensors now
-            if request_id in result.errors or request_id in result.images:
-                del self.states[request_id]
-                result.released.append(request_id)
+        # Finished or failed here: free the tensors now.
+        done = [rid for rid in ids if rid in result.errors or rid in result.images]
+        result.released.extend(self._release(done))
 
     def _advance(
         self,

@@ -1,0 +1,279 @@
+"""A stateful property test of the lifecycle, cleanup and identity invariants,
+pointed at any engine configuration: your pipeline, executor or scheduler.
+
+Hypothesis drives a real engine through add / add a duplicate id / abort /
+drop a consumer / inject a failure / kill a worker / close, in random order,
+with the auditor attached to every event. After every step it checks the
+auditor found nothing and that no state is left for finished requests; at the
+end, that every admitted request reached exactly one terminal state, and that
+every completed output equals the same request run alone.
+
+A user's test file can be two lines::
+
+    from diffusion_runtime.testing import lifecycle_test_case
+    TestMyPipeline = lifecycle_test_case(lambda: EngineConfig(pipeline="mypkg:MyPipeline"))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import unittest
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import hypothesis.strategies as st
+import torch
+from hypothesis import settings as Settings
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.errors import DuplicateRequestError, EngineClosedError, EngineDeadError
+from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent
+from diffusion_runtime.fsm.audit import Auditor
+from diffusion_runtime.fsm.events import TraceEvent
+from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.testing.strategies import sampling_params
+
+
+class EngineLifecycleMachine(RuleBasedStateMachine):
+    """The harness; configure it with :func:`lifecycle_machine` or subclass it.
+
+    Override :meth:`build_engine` to keep a handle on the pipeline you pass
+    in, and add rules or invariants of your own in a subclass.
+    """
+
+    config_factory: ClassVar[Callable[[], EngineConfig]]
+    prompts: ClassVar[st.SearchStrategy[Any]] = st.sampled_from(["a", "b", 7])
+    params: ClassVar[st.SearchStrategy[SamplingParams]] = sampling_params()
+    failing_prompts: ClassVar[st.SearchStrategy[Any] | None] = None
+    worker_killer: ClassVar[Callable[[DiffusionEngine], None] | None] = None
+    check_solo: ClassVar[bool] = True
+    read_timeout_s: ClassVar[float] = 30.0
+
+    requests = Bundle("requests")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.auditor = Auditor()
+        self.lifecycle: list[LifecycleEvent] = []
+        self.inputs: dict[str, tuple[Any, SamplingParams]] = {}
+        self.unread: set[str] = set()
+        self.outputs: dict[str, RequestOutput] = {}
+        self.closed = False
+        self.killed = False
+        self.engine = self.build_engine()
+        self.engine.machine.subscribe(self._record)
+
+    def build_engine(self) -> DiffusionEngine:
+        """The engine under test (a fresh one for every example)."""
+        return DiffusionEngine.make_engine(type(self).config_factory())
+
+    # -- rules -------------------------------------------------------------------------
+
+    @precondition(lambda self: not self.closed and not self.killed)
+    @rule(target=requests, data=st.data())
+    def add(self, data: st.DataObject) -> str:
+        return self._add(data.draw(self.prompts), data.draw(self.params))
+
+    @precondition(
+        lambda self: not self.closed and not self.killed and self.failing_prompts is not None
+    )
+    @rule(target=requests, data=st.data())
+    def add_failing(self, data: st.DataObject) -> str:
+        assert self.failing_prompts is not None
+        return self._add(data.draw(self.failing_prompts), data.draw(self.params))
+
+    @precondition(lambda self: not self.closed and not self.killed)
+    @rule(rid=requests)
+    def add_with_a_taken_id(self, rid: str) -> None:
+        """Reusing an id is refused while it is active or its output unread,
+        and allowed once it has finished and been read."""
+        prompt, params = self.inputs[rid]
+        free = rid in self._finished_ids() and rid not in self.unread
+        try:
+            self.loop.run_until_complete(self.engine.add_request(prompt, params, request_id=rid))
+        except DuplicateRequestError:
+            assert not free, f"{rid!r} refused after it finished and was read"
+            return
+        assert free, f"{rid!r} admitted again while active or unread"
+        # A new lifecycle under an old id: read the old output, track the new one.
+        self.outputs.pop(rid, None)
+        self.unread.add(rid)
+
+    @rule(rid=requests)
+    def abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+
+    @precondition(lambda self: self.unread)
+    @rule(data=st.data())
+    def drop_consumer(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.unread)))
+        self.unread.discard(rid)
+        self._run(self._read_then_leave(rid))
+
+    @rule()
+    def read_all(self) -> None:
+        for rid in sorted(self.unread):
+            self._run(self._read(rid))
+        self.unread.clear()
+
+    @precondition(lambda self: self.worker_killer is not None and not self.closed and not self.killed)
+    @rule()
+    def kill_worker(self) -> None:
+        assert self.worker_killer is not None
+        type(self).worker_killer(self.engine)  # type: ignore[misc]
+        self.killed = True
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def close(self) -> None:
+        self.engine.close()
+        self.closed = True
+
+    # -- invariants --------------------------------------------------------------------
+
+    @invariant()
+    def the_auditor_finds_nothing(self) -> None:
+        assert not self.auditor.violations, self.auditor.violations[0].describe()
+
+    @invariant()
+    def nothing_is_left_for_finished_requests(self) -> None:
+        if self.killed:
+            return
+        finished = self._finished_ids()
+        snapshot = self.engine.snapshot()
+        if self.closed:
+            assert not snapshot.scheduler_ids and not snapshot.running_ids
+            return
+        assert not finished & snapshot.scheduler_ids, finished & snapshot.scheduler_ids
+        assert not finished & snapshot.runner_cached_ids, finished & snapshot.runner_cached_ids
+        if self.engine.config.resolved_mode == "step":
+            assert snapshot.runner_cached_ids == snapshot.running_ids, snapshot
+
+    def teardown(self) -> None:
+        try:
+            if not self.closed and not self.killed:
+                self.read_all()
+                if self.check_solo:
+                    self._check_against_solo_runs()
+            self.engine.close()
+            self._check_final_states()
+        finally:
+            self.engine.close()
+            self.loop.close()
+
+    # -- checks ------------------------------------------------------------------------
+
+    def _check_final_states(self) -> None:
+        terminal = [e.request_id for e in self.lifecycle if e.dest in TERMINAL_STATES]
+        admitted = [e.request_id for e in self.lifecycle if e.source is None]
+        assert sorted(terminal) == sorted(admitted), "every admission ends in one terminal state"
+        for out in self.outputs.values():
+            if out.ok:
+                count = self.inputs[out.request_id][1].num_outputs_per_prompt
+                assert out.image_batch is not None and out.image_batch.shape[0] == count, out
+        self.auditor.finish()
+        if not self.killed:
+            assert self.auditor.complete, "the trace did not end with the engine closing"
+        assert not self.auditor.violations, self.auditor.violations[0].describe()
+
+    def _check_against_solo_runs(self) -> None:
+        """Every completed output equals its request run alone (nothing else in flight)."""
+        for rid, out in sorted(self.outputs.items()):
+            if not out.ok:
+                continue
+            prompt, params = self.inputs[rid]
+            [solo] = self.engine.generate([prompt], params, timeout=self.read_timeout_s)
+            assert solo.ok, solo.error
+            assert solo.image_batch is not None and out.image_batch is not None
+            assert torch.equal(out.image_batch, solo.image_batch), (
+                f"{rid!r}: output differs from the same request run alone"
+            )
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _add(self, prompt: Any, params: SamplingParams) -> str:
+        rid = self.loop.run_until_complete(self.engine.add_request(prompt, params))
+        self.inputs[rid] = (prompt, params)
+        self.unread.add(rid)
+        return rid
+
+    def _record(self, event: TraceEvent) -> None:
+        self.auditor.feed(event)
+        if isinstance(event, LifecycleEvent) and not event.rejected:
+            self.lifecycle.append(event)
+
+    def _finished_ids(self) -> set[str]:
+        state: dict[str, bool] = {}
+        for event in self.lifecycle:
+            state[event.request_id] = event.dest in TERMINAL_STATES
+        return {rid for rid, finished in state.items() if finished}
+
+    def _run(self, coro: Any) -> None:
+        self.loop.run_until_complete(asyncio.wait_for(coro, self.read_timeout_s))
+
+    async def _read(self, rid: str) -> None:
+        try:
+            async for out in self.engine.stream(rid):
+                self.outputs[rid] = out
+        except EngineClosedError:
+            assert self.closed, "a stream ended with EngineClosedError while the engine was open"
+        except EngineDeadError:
+            assert self.killed, "the engine died, but no worker was killed"
+
+    async def _read_then_leave(self, rid: str) -> None:
+        reader = self.engine.stream(rid)
+        step = asyncio.ensure_future(reader.__anext__())
+        await asyncio.sleep(0)
+        if step.done():
+            if step.exception() is None:
+                self.outputs[rid] = step.result()
+        else:
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+        await reader.aclose()
+
+
+def lifecycle_machine(
+    config: Callable[[], EngineConfig],
+    *,
+    prompts: st.SearchStrategy[Any] | None = None,
+    params: st.SearchStrategy[SamplingParams] | None = None,
+    failing_prompts: st.SearchStrategy[Any] | None = None,
+    worker_killer: Callable[[DiffusionEngine], None] | None = None,
+    check_solo: bool = True,
+    base: type[EngineLifecycleMachine] = EngineLifecycleMachine,
+) -> type[EngineLifecycleMachine]:
+    """A harness class for engines built from ``config()``.
+
+    ``prompts`` and ``params`` generate valid requests; ``failing_prompts``
+    generates requests the pipeline is known to fail on; ``worker_killer``
+    kills a worker of a multi-process engine.
+    """
+    attributes: dict[str, Any] = {
+        "config_factory": staticmethod(config),
+        "check_solo": check_solo,
+        "failing_prompts": failing_prompts,
+        "worker_killer": staticmethod(worker_killer) if worker_killer else None,
+    }
+    if prompts is not None:
+        attributes["prompts"] = prompts
+    if params is not None:
+        attributes["params"] = params
+    return type("ConfiguredLifecycle", (base,), attributes)
+
+
+def lifecycle_test_case(
+    config: Callable[[], EngineConfig],
+    *,
+    settings: Settings | None = None,
+    **options: Any,
+) -> type[unittest.TestCase]:
+    """A ``unittest``/pytest test case running the harness (see :func:`lifecycle_machine`)."""
+    machine = lifecycle_machine(config, **options)
+    if settings is not None:
+        machine.TestCase.settings = settings
+    return machine.TestCase
