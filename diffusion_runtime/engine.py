@@ -26,7 +26,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Hashable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -108,6 +108,7 @@ class DiffusionEngine:
         self._streams: dict[str, AsyncStream] = {}
         self._pending_wakes: dict[asyncio.AbstractEventLoop, list[AsyncStream]] = {}
         self._closed = False
+        self._paused = False
         self._close_lock = threading.Lock()
         self._fatal: EngineDeadError | None = None
         self._id_prefix = secrets.token_hex(4)
@@ -213,7 +214,7 @@ class DiffusionEngine:
         self._streams[request.request_id] = stream
         return request.request_id
 
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Yield a request's outputs until its final one.
 
         Raises :class:`EngineClosedError` or :class:`EngineDeadError` if the
@@ -270,6 +271,17 @@ class DiffusionEngine:
             )
         except concurrent.futures.TimeoutError:
             raise RPCError(f"collective_rpc {method!r} timed out after {timeout} s") from None
+
+    def pause(self) -> None:
+        """Stop starting waves (or steps) after the current one; requests, aborts
+        and RPCs keep queueing. For maintenance, and for tests that need
+        requests to pile up."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`: queued aborts apply, then scheduling continues."""
+        self._paused = False
+        self._wakeup.set()
 
     def check_health(self) -> None:
         """Raise :class:`EngineDeadError` if the executor or the loop has failed."""
@@ -475,8 +487,10 @@ class DiffusionEngine:
         with self._lock:
             if self._closed:
                 return False
-            self._apply_aborts()
-            output = self._trace_wave(self.scheduler.schedule(time.monotonic()))
+            output = None
+            if not self._paused:
+                self._apply_aborts()
+                output = self._trace_wave(self.scheduler.schedule(time.monotonic()))
         if output is None:
             self._flush_wakes()
             wake_at = self.scheduler.next_wakeup()

@@ -379,6 +379,7 @@ class ResultsKeepIdentity:
     def __init__(self) -> None:
         self.digests: dict[str, DeliveryEvent] = {}
         self.terminal: dict[str, RequestStatus] = {}
+        self.last_runner: RunnerEvent | None = None
 
     def feed(self, event: TraceEvent) -> list[Violation]:
         if (
@@ -387,8 +388,9 @@ class ResultsKeepIdentity:
             and not event.rejected
         ):
             self.terminal[event.request_id] = event.dest
-            return []
+            return self._completion_has_a_result(event)
         if isinstance(event, RunnerEvent):
+            self.last_runner = event  # completions in a wave follow that wave's runner event
             ran = set(event.executed)
             return [
                 Violation(
@@ -425,6 +427,18 @@ class ResultsKeepIdentity:
                     )
                 )
         return problems
+
+    def _completion_has_a_result(self, event: LifecycleEvent) -> list[Violation]:
+        """A request completes only on images the runner produced for its id in that wave."""
+        if event.dest is not RequestStatus.FINISHED_COMPLETED:
+            return []
+        runner = self.last_runner
+        wave_matches = runner is not None and runner.wave_id == event.wave_id
+        if wave_matches and runner is not None and event.request_id in runner.produced:
+            return []
+        evidence = (event,) if runner is None else (runner, event)
+        message = f"completed in wave {event.wave_id} without a result for its id"
+        return [Violation(self.invariant, event.request_id, message, evidence)]
 
     def finish(self, complete: bool) -> list[Violation]:
         return []

@@ -180,9 +180,7 @@ class EngineEvent:
         return {"kind": self.kind, "state": self.state, "time": self.time, "reason": self.reason}
 
 
-TraceEvent = (
-    LifecycleEvent | WaveEvent | RunnerEvent | DeliveryEvent | ResourceEvent | EngineEvent
-)
+TraceEvent = LifecycleEvent | WaveEvent | RunnerEvent | DeliveryEvent | ResourceEvent | EngineEvent
 
 
 def event_from_json(record: dict[str, Any]) -> TraceEvent:

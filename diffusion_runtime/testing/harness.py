@@ -2,7 +2,8 @@
 pointed at any engine configuration: your pipeline, executor or scheduler.
 
 Hypothesis drives a real engine through add / add a duplicate id / abort /
-drop a consumer / inject a failure / kill a worker / close, in random order,
+drop a consumer / inject a failure / pause and resume the loop (so requests pile
+up into batches) / kill a worker / close, in random order,
 with the auditor attached to every event. After every step it checks the
 auditor found nothing and that no state is left for finished requests; at the
 end, that every admitted request reached exactly one terminal state, and that
@@ -24,7 +25,15 @@ from typing import Any, ClassVar
 import hypothesis.strategies as st
 import torch
 from hypothesis import settings as Settings
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    MultipleResults,
+    RuleBasedStateMachine,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
@@ -48,7 +57,8 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     prompts: ClassVar[st.SearchStrategy[Any]] = st.sampled_from(["a", "b", 7])
     params: ClassVar[st.SearchStrategy[SamplingParams]] = sampling_params()
     failing_prompts: ClassVar[st.SearchStrategy[Any] | None] = None
-    worker_killer: ClassVar[Callable[[DiffusionEngine], None] | None] = None
+    # A tuple, so the function is not bound as a method of the machine.
+    worker_killer: ClassVar[tuple[Callable[[DiffusionEngine], None], ...]] = ()
     check_solo: ClassVar[bool] = True
     read_timeout_s: ClassVar[float] = 30.0
 
@@ -64,6 +74,7 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         self.outputs: dict[str, RequestOutput] = {}
         self.closed = False
         self.killed = False
+        self.paused = False
         self.engine = self.build_engine()
         self.engine.machine.subscribe(self._record)
 
@@ -77,6 +88,19 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     @rule(target=requests, data=st.data())
     def add(self, data: st.DataObject) -> str:
         return self._add(data.draw(self.prompts), data.draw(self.params))
+
+    @precondition(lambda self: not self.closed and not self.killed)
+    @rule(target=requests, data=st.data())
+    def add_burst(self, data: st.DataObject) -> MultipleResults[str]:
+        """Several requests admitted while the loop is held, so they share waves or steps."""
+        mix = data.draw(st.lists(st.tuples(self.prompts, self.params), min_size=2, max_size=4))
+        held = not self.paused
+        if held:
+            self.engine.pause()
+        ids = [self._add(prompt, params) for prompt, params in mix]
+        if held:
+            self.engine.resume()
+        return multiple(*ids)
 
     @precondition(
         lambda self: not self.closed and not self.killed and self.failing_prompts is not None
@@ -107,6 +131,19 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)
 
+    @precondition(lambda self: not self.paused and not self.closed and not self.killed)
+    @rule()
+    def pause(self) -> None:
+        """Hold the loop between ticks so requests and aborts pile up."""
+        self.engine.pause()
+        self.paused = True
+
+    @precondition(lambda self: self.paused)
+    @rule()
+    def resume(self) -> None:
+        self.engine.resume()
+        self.paused = False
+
     @precondition(lambda self: self.unread)
     @rule(data=st.data())
     def drop_consumer(self, data: st.DataObject) -> None:
@@ -114,20 +151,21 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         self.unread.discard(rid)
         self._run(self._read_then_leave(rid))
 
+    @precondition(lambda self: not self.paused)
     @rule()
     def read_all(self) -> None:
         for rid in sorted(self.unread):
             self._run(self._read(rid))
         self.unread.clear()
 
-    @precondition(lambda self: self.worker_killer is not None and not self.closed and not self.killed)
+    @precondition(lambda self: bool(self.worker_killer) and not self.closed and not self.killed)
     @rule()
     def kill_worker(self) -> None:
-        assert self.worker_killer is not None
-        type(self).worker_killer(self.engine)  # type: ignore[misc]
+        for kill in self.worker_killer:
+            kill(self.engine)
         self.killed = True
 
-    @precondition(lambda self: not self.closed)
+    @precondition(lambda self: not self.closed and len(self.inputs) >= 3)
     @rule()
     def close(self) -> None:
         self.engine.close()
@@ -155,6 +193,8 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
+            if self.paused:
+                self.resume()
             if not self.closed and not self.killed:
                 self.read_all()
                 if self.check_solo:
@@ -257,7 +297,7 @@ def lifecycle_machine(
         "config_factory": staticmethod(config),
         "check_solo": check_solo,
         "failing_prompts": failing_prompts,
-        "worker_killer": staticmethod(worker_killer) if worker_killer else None,
+        "worker_killer": (worker_killer,) if worker_killer else (),
     }
     if prompts is not None:
         attributes["prompts"] = prompts

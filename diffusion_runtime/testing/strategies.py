@@ -22,6 +22,7 @@ def sampling_params(
     Small seed and step ranges make equal requests likely, which lets the
     identity checks compare outputs of equal inputs in different batches.
     """
+
     def with_size(size: int | None) -> st.SearchStrategy[SamplingParams]:
         return st.builds(
             SamplingParams,

@@ -1,0 +1,346 @@
+"""Deliberately broken runtime variants: the bugs the harness must catch.
+
+Each mutation patches one method of the real runtime the way a real bug would
+look, for as long as its context manager is open. The mutation test runs the
+lifecycle harness against each and requires it to fail, and against the
+unpatched runtime and requires it to pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import torch
+from hypothesis import HealthCheck, Phase
+from hypothesis import settings as Settings
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+
+from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.executor.uni import UniProcExecutor
+from diffusion_runtime.fsm import LifecycleEvent, RequestStatus, Trigger
+from diffusion_runtime.runner.model_runner import ModelRunner
+from diffusion_runtime.runner.output import RunnerOutput
+from diffusion_runtime.runner.protocols import PipelineRequest
+from diffusion_runtime.scheduler.base import BaseScheduler
+from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
+from diffusion_runtime.scheduler.request import Request
+from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+
+
+@attrs.frozen
+class Mutation:
+    """A named bug: ``patch()`` applies it while its context is open."""
+
+    name: str
+    bug: str
+    mode: str
+    patch: Callable[[], contextlib.AbstractContextManager[None]]
+
+
+@contextlib.contextmanager
+def _replace(owner: type, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    """Replace ``owner.name`` with ``make(original)`` for the duration of the context."""
+    original = owner.__dict__[name]
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def results_by_position() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        def forward(self: ModelRunner, batch: list[PipelineRequest], result: RunnerOutput) -> None:
+            original(self, batch, result)
+            ids = [r.request_id for r in batch if r.request_id in result.images]
+            images = [result.images[rid] for rid in ids]
+            for rid, image in zip(ids, reversed(images), strict=True):
+                result.images[rid] = image  # "results come back in batch order"
+
+        return forward
+
+    return _replace(ModelRunner, "_forward", make)
+
+
+def request_finished_twice() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        def update(self: RequestScheduler, output: SchedulerOutput, result: RunnerOutput) -> None:
+            running = [
+                self.running[d.request_id]
+                for d in output.scheduled_new_reqs
+                if d.request_id in self.running
+            ]
+            original(self, output, result)
+            for request in running:
+                if request.request_id in result.errors:  # "make sure failures are final"
+                    self.machine.fire(request, Trigger.FAIL, reason="failed")
+
+        return update
+
+    return _replace(RequestScheduler, "update_from_output", make)
+
+
+def runner_state_kept_after_abort() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        def release(self: ModelRunner, request_ids: Any) -> list[str]:
+            done = [rid for rid in request_ids if rid in self.states and self.states[rid].is_done]
+            released: list[str] = original(self, done)  # aborted and failed states stay
+            return released
+
+        return release
+
+    return _replace(ModelRunner, "_release", make)
+
+
+def executor_runs_an_unsent_id() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        seen: list[NewRequestData] = []
+
+        def execute(self: UniProcExecutor, output: SchedulerOutput) -> RunnerOutput:
+            if seen and output.scheduled_new_reqs:  # "retry the last request that was sent"
+                output = attrs.evolve(
+                    output, scheduled_new_reqs=(*output.scheduled_new_reqs, seen[-1])
+                )
+            seen.extend(output.scheduled_new_reqs)
+            result: RunnerOutput = original(self, output)
+            return result
+
+        return execute
+
+    return _replace(UniProcExecutor, "execute", make)
+
+
+def stream_not_woken_on_close() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        def end_all(self: DiffusionEngine, error: Any, trigger: Trigger) -> None:
+            with self._lock:  # streams are never told the engine ended
+                for request in self.scheduler.requests.values():
+                    request.sink = None
+                self.scheduler.finish_all(trigger, str(error))
+
+        return end_all
+
+    return _replace(DiffusionEngine, "_end_all", make)
+
+
+def generator_shared_across_requests() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        def pipeline_request(self: ModelRunner, data: NewRequestData) -> PipelineRequest:
+            request: PipelineRequest = original(self, data)
+            shared = self.__dict__.setdefault("_shared", {})
+            key = data.seed  # "one generator per seed is enough"
+            if key not in shared:
+                shared[key] = torch.Generator(device=self.device).manual_seed(data.seed)
+            request._generator = shared[key]
+            return request
+
+        return pipeline_request
+
+    return _replace(ModelRunner, "_pipeline_request", make)
+
+
+def cleanup_skipped_on_error() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        def on_terminal(self: BaseScheduler, request: Request, event: LifecycleEvent) -> None:
+            if event.dest is RequestStatus.FINISHED_ERROR and event.source is RequestStatus.RUNNING:
+                self.running.pop(request.request_id)  # forgot the requests table
+                return
+            original(self, request, event)
+
+        return on_terminal
+
+    return _replace(BaseScheduler, "_on_terminal", make)
+
+
+def error_result_completes() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        def update(self: RequestScheduler, output: SchedulerOutput, result: RunnerOutput) -> None:
+            for request_id in list(result.errors):  # "errors were logged by the runner already"
+                del result.errors[request_id]
+                result.images[request_id] = torch.zeros(1, 1, 1, 1)
+            original(self, output, result)
+
+        return update
+
+    return _replace(RequestScheduler, "update_from_output", make)
+
+
+def wave_reordered() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        def forward_wave(self: ModelRunner, output: SchedulerOutput, result: RunnerOutput) -> None:
+            reordered = attrs.evolve(  # "largest requests first packs better"
+                output,
+                scheduled_new_reqs=tuple(
+                    sorted(
+                        output.scheduled_new_reqs, key=lambda d: -d.params.num_outputs_per_prompt
+                    )
+                ),
+            )
+            original(self, reordered, result)
+
+        return forward_wave
+
+    return _replace(ModelRunner, "_forward_wave", make)
+
+
+def wave_truncated() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        def execute(self: UniProcExecutor, output: SchedulerOutput) -> RunnerOutput:
+            if len(output.scheduled_new_reqs) > 2:  # "the device only fits two"
+                output = attrs.evolve(output, scheduled_new_reqs=output.scheduled_new_reqs[:2])
+            result: RunnerOutput = original(self, output)
+            return result
+
+        return execute
+
+    return _replace(UniProcExecutor, "execute", make)
+
+
+def finished_ids_lost() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        def on_terminal(self: BaseScheduler, request: Request, event: LifecycleEvent) -> None:
+            original(self, request, event)
+            if event.trigger == Trigger.ABORT.value and self._finished_ids:
+                self._finished_ids.pop()  # "aborted requests never reached the workers"
+
+        return on_terminal
+
+    return _replace(BaseScheduler, "_on_terminal", make)
+
+
+def aborted_waiting_request_stays_queued() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        def on_terminal(self: BaseScheduler, request: Request, event: LifecycleEvent) -> None:
+            if event.source is RequestStatus.WAITING:  # "only running requests need cleanup"
+                del self.requests[request.request_id]
+                return
+            original(self, request, event)
+
+        return on_terminal
+
+    return _replace(BaseScheduler, "_on_terminal", make)
+
+
+def error_output_never_delivered() -> contextlib.AbstractContextManager[None]:
+    def make(original: Any) -> Any:
+        def deliver_final(self: DiffusionEngine, request: Request, event: LifecycleEvent) -> None:
+            if event.dest is RequestStatus.FINISHED_ERROR:
+                return  # "errors are logged, not streamed"
+            original(self, request, event)
+
+        return deliver_final
+
+    return _replace(DiffusionEngine, "_deliver_final", make)
+
+
+CATALOGUE: tuple[Mutation, ...] = (
+    Mutation(
+        "results-by-position",
+        "results mapped to requests by batch position",
+        "request",
+        results_by_position,
+    ),
+    Mutation(
+        "finished-twice",
+        "a failed request is failed a second time",
+        "request",
+        request_finished_twice,
+    ),
+    Mutation(
+        "state-kept-after-abort",
+        "runner step state kept after an abort",
+        "step",
+        runner_state_kept_after_abort,
+    ),
+    Mutation(
+        "unsent-id-executed",
+        "the executor runs an id the scheduler did not send",
+        "request",
+        executor_runs_an_unsent_id,
+    ),
+    Mutation(
+        "stream-not-woken",
+        "open streams are never woken on close",
+        "request",
+        stream_not_woken_on_close,
+    ),
+    Mutation(
+        "shared-generator",
+        "requests with one seed share one generator",
+        "request",
+        generator_shared_across_requests,
+    ),
+    Mutation(
+        "cleanup-skipped-on-error",
+        "scheduler cleanup skipped on the error path",
+        "request",
+        cleanup_skipped_on_error,
+    ),
+    Mutation(
+        "error-result-completes",
+        "an error result counts as success",
+        "request",
+        error_result_completes,
+    ),
+    Mutation("wave-reordered", "the runner reorders a wave", "request", wave_reordered),
+    Mutation(
+        "wave-truncated", "the executor silently drops part of a wave", "request", wave_truncated
+    ),
+    Mutation("finished-ids-lost", "aborted ids never reach the workers", "step", finished_ids_lost),
+    Mutation(
+        "aborted-waiting-stays-queued",
+        "an aborted waiting request stays queued",
+        "request",
+        aborted_waiting_request_stays_queued,
+    ),
+    Mutation(
+        "error-never-delivered",
+        "a failed request's output is never delivered",
+        "request",
+        error_output_never_delivered,
+    ),
+)
+
+
+def hunt(
+    mutation: Mutation | None,
+    machine: type[RuleBasedStateMachine],
+    max_examples: int = 60,
+    steps: int = 20,
+) -> int | None:
+    """Run the harness ``machine`` with ``mutation`` applied (``None``: the real runtime).
+
+    Returns how many examples it took to fail, or ``None`` if every example passed.
+    Deterministic (derandomized, no shrinking, no example database).
+    """
+    examples = 0
+    original_init = machine.__init__
+
+    def counting_init(self: Any) -> None:
+        nonlocal examples
+        examples += 1
+        original_init(self)
+
+    settings = Settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        phases=[Phase.generate],
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+    )
+    patch = mutation.patch() if mutation is not None else contextlib.nullcontext()
+    machine.__init__ = counting_init  # type: ignore[method-assign]
+    try:
+        with patch:
+            run_state_machine_as_test(machine, settings=settings)
+    except Exception:
+        return examples
+    finally:
+        machine.__init__ = original_init  # type: ignore[method-assign]
+    return None
