@@ -14,6 +14,7 @@ import torch
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.errors import DiffusionRuntimeError
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 
@@ -92,14 +93,16 @@ def save_grid(outputs: list[RequestOutput], path: Path) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = args.prompts or DEFAULT_PROMPTS
+    # The digits are 8x8 pixels: upscale them to something one can look at.
+    size = args.size if args.size is not None else (64 if args.pipeline == "digits" else None)
     params = [
         SamplingParams(
             num_inference_steps=args.steps,
             guidance_scale=args.guidance,
             seed=None if args.seed is None else args.seed + i,
             num_outputs_per_prompt=args.num_outputs,
-            height=args.size,
-            width=args.size,
+            height=size,
+            width=size,
         )
         for i in range(len(prompts))
     ]
@@ -110,12 +113,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         outputs = asyncio.run(_run_with_progress(engine, prompts, params))
         wall = time.perf_counter() - start
     images = 0
-    for prompt, out in zip(prompts, outputs, strict=True):
+    for index, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
         if not out.ok:
             print(f"request for {prompt!r} {out.status.value}: {out.error}", file=sys.stderr)
             continue
         for i, img in enumerate(out.pil_images()):
-            img.save(out_dir / f"{_file_stem(prompt)}-{i}.png")
+            img.save(out_dir / f"{index:03d}-{_file_stem(prompt)}-{i}.png")
             images += 1
     save_grid(outputs, out_dir / "grid.png")
     failed = sum(not out.ok for out in outputs)
@@ -202,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--guidance", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=0, help="seed of the first prompt")
     generate.add_argument("--num-outputs", type=int, default=1, help="images per prompt")
-    generate.add_argument("--size", type=int, default=64, help="output size in pixels")
+    generate.add_argument(
+        "--size", type=int, default=None, help="output size in pixels (digits default: 64)"
+    )
     generate.add_argument("--out", default="out", help="output directory")
     _engine_options(generate)
     generate.set_defaults(func=cmd_generate)
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)
-    except ValueError as exc:  # bad input: say which field and rule, no traceback
+    except (ValueError, DiffusionRuntimeError) as exc:  # bad input or start-up: say what, briefly
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return code

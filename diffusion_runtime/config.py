@@ -41,13 +41,16 @@ def _is_device(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> No
 
 
 def _is_pipeline_spec(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not (isinstance(value, str) and value) and not callable(value):
-        fail(
-            instance,
-            attribute.name,
-            "must be a registered pipeline name, a 'module:attr' import path or a factory",
-            value,
-        )
+    from diffusion_runtime.pipelines.registry import is_known_pipeline_name
+
+    if callable(value) or (isinstance(value, str) and is_known_pipeline_name(value)):
+        return
+    fail(
+        instance,
+        attribute.name,
+        "must be a registered pipeline name, a 'module:attr' import path or a factory",
+        value,
+    )
 
 
 def _is_backend(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -49,6 +49,7 @@ from diffusion_runtime.fsm.trace import JsonlTraceWriter
 from diffusion_runtime.outputs import RequestMetrics, RequestOutput
 from diffusion_runtime.runner.model_runner import describe_error
 from diffusion_runtime.runner.output import RunnerOutput
+from diffusion_runtime.runner.worker import Worker
 from diffusion_runtime.sampling_params import MAX_SEED, SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.scheduler.output import SchedulerOutput
@@ -125,6 +126,11 @@ class DiffusionEngine:
             if scheduler_cls is None:
                 step_mode = config.resolved_mode == "step"
                 scheduler_cls = StepScheduler if step_mode else RequestScheduler
+            if scheduler_cls.execution_mode != config.resolved_mode:
+                raise ValueError(
+                    f"{scheduler_cls.__name__} schedules {scheduler_cls.execution_mode} mode, "
+                    f"but the engine runs in {config.resolved_mode} mode"
+                )
             self.scheduler = scheduler_cls(self.machine, config)
             self.machine.add_hook(Hook.TERMINAL, self._deliver_final)
             self.machine.add_hook(Hook.TERMINAL, self._release_executor_bookkeeping)
@@ -160,18 +166,19 @@ class DiffusionEngine:
 
     def generate(
         self,
-        prompts: Sequence[Any] | str | int,
+        prompts: list[Any] | tuple[Any, ...] | Any,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         timeout: float | None = None,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion and return one final output per prompt, in order.
 
+        ``prompts`` is a list or tuple of prompts; anything else is one prompt.
         ``params`` is one :class:`SamplingParams` for all prompts or one per
         prompt. A request that fails or is aborted yields an output saying why;
         the call raises only when the engine closes or dies meanwhile.
         """
-        prompt_list = [prompts] if isinstance(prompts, (str, int)) else list(prompts)
+        prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
         params_list = self._params_per_prompt(params, len(prompt_list))
         waiter = GenerateWaiter()
         requests = [
@@ -261,7 +268,10 @@ class DiffusionEngine:
         unique_reply_rank: int | None = None,
     ) -> Any:
         """Call a worker method between ticks (so it never races a wave); see
-        :meth:`DiffusionExecutor.collective_rpc`."""
+        :meth:`DiffusionExecutor.collective_rpc`. The methods that run scheduler
+        outputs are not callable here: only the scheduler decides what runs."""
+        if method in Worker.EXECUTION_METHODS:
+            raise RPCError(f"method {method!r} is reserved for the executor")
         try:
             return self._between_ticks(
                 lambda: self._executor.collective_rpc(
@@ -284,9 +294,9 @@ class DiffusionEngine:
         self._wakeup.set()
 
     def check_health(self) -> None:
-        """Raise :class:`EngineDeadError` if the executor or the loop has failed."""
-        if self._fatal is not None:
-            raise self._fatal
+        """Raise :class:`EngineDeadError` if the executor or the loop has failed,
+        :class:`EngineClosedError` once the engine is closed."""
+        self._check_open()
         self._executor.check_health()
 
     @property

@@ -54,12 +54,17 @@ class RequestOutput:
         return [] if self.image_batch is None else list(self.image_batch.unbind(0))
 
     def pil_images(self) -> list[Image.Image]:
-        """The images as PIL images (8-bit, RGB or grayscale)."""
+        """The images as 8-bit PIL images: grayscale, RGB or RGBA by channel count."""
         from PIL import Image
 
         result = []
         for image in self.images:
             array = (image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-            mode = "L" if array.shape[2] == 1 else "RGB"
-            result.append(Image.fromarray(array[:, :, 0] if mode == "L" else array, mode=mode))
+            channels = array.shape[2]
+            if channels == 1:
+                result.append(Image.fromarray(array[:, :, 0], mode="L"))
+            elif channels in (3, 4):
+                result.append(Image.fromarray(array, mode="RGB" if channels == 3 else "RGBA"))
+            else:
+                raise ValueError(f"cannot show a {channels}-channel image as PIL")
         return result

@@ -78,10 +78,11 @@ def tracing_cost(max_num_seqs: int, pipeline: str, params: SamplingParams) -> di
                 costs[name] = statistics.median(
                     engine_cost_per_request_us(engine, 1_000, 10_000, params)
                 )
-    off = costs["off"]
+    off = costs.pop("off")
     return {
+        "off_us_per_request": round(off, 2),
         **{f"{name}_us_per_request": round(cost, 2) for name, cost in costs.items()},
-        **{f"{name}_over_off": round(cost / off, 3) for name, cost in costs.items() if name != "off"},
+        **{f"{name}_over_off": round(cost / off, 3) for name, cost in costs.items()},
     }
 
 

@@ -49,11 +49,15 @@ class ModelRunner:
         step_mode: bool = False,
         preview_interval: int = 0,
     ) -> None:
-        if step_mode and not isinstance(pipeline, StepPipeline):
-            missing = [m for m in STEP_METHODS if not callable(getattr(pipeline, m, None))]
+        needed = ("forward", *STEP_METHODS) if step_mode else ("forward",)
+        missing = [m for m in needed if not callable(getattr(pipeline, m, None))]
+        if not hasattr(pipeline, "supports_request_batch"):
+            missing.append("supports_request_batch")
+        if missing:
+            mode = "step" if step_mode else "request"
             raise PipelineContractError(
-                f"step mode needs a pipeline with {', '.join(STEP_METHODS)}; "
-                f"{type(pipeline).__name__} lacks {', '.join(missing)}"
+                f"{mode} mode needs a pipeline with {', '.join(needed)} and "
+                f"supports_request_batch; {type(pipeline).__name__} lacks {', '.join(missing)}"
             )
         self.pipeline = pipeline
         self.device = device

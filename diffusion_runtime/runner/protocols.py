@@ -64,6 +64,8 @@ class RequestPipeline(Protocol):
     - ``validate_request(prompt, params) -> None``: raise ``ValueError`` (ideally
       :class:`~diffusion_runtime.errors.InvalidFieldError`) for input this
       pipeline cannot serve; called at admission, so a bad request costs nothing.
+      It runs on the caller's thread, possibly while a wave executes: keep it
+      cheap and free of shared mutable state.
     - ``warmup_request() -> (prompt, SamplingParams)``: a cheap request for start-up.
     - ``close() -> None``: release what the pipeline holds.
     """

@@ -49,6 +49,8 @@ class Worker:
             "validate_request",
         }
     )
+    #: Methods only the executor may call: they run or drop scheduler decisions.
+    EXECUTION_METHODS = frozenset({"execute_model", "release_requests"})
 
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
@@ -90,12 +92,14 @@ class Worker:
     def _add_extension(self, extension: str | type) -> None:
         cls = import_object(extension) if isinstance(extension, str) else extension
         instance = cls(self)
-        for name, member in inspect.getmembers(instance, callable):
+        # Only methods defined on the class: attributes that happen to be callable
+        # (a module, a stored function) never become RPC methods.
+        for name, _ in inspect.getmembers(cls, inspect.isfunction):
             if name.startswith("_"):
                 continue
             if name in self._methods:
                 raise ValueError(f"worker extension {cls.__name__} redefines method {name!r}")
-            self._methods[name] = member
+            self._methods[name] = getattr(instance, name)
 
     # -- built-in methods ----------------------------------------------------------------
 

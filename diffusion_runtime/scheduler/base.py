@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.errors import DuplicateRequestError, QueueFullError
@@ -27,6 +27,9 @@ class BaseScheduler(abc.ABC):
     way. All operations are O(1) in the queue depth, except a wave, which is
     O(wave size).
     """
+
+    #: The execution mode whose runner this scheduler's outputs are meant for.
+    execution_mode: ClassVar[str] = "request"
 
     def __init__(self, machine: RequestMachine[Request], config: EngineConfig) -> None:
         self.machine = machine
@@ -109,7 +112,7 @@ class BaseScheduler(abc.ABC):
     def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> None:
         """Apply a wave's results: finish, fail or advance each scheduled request."""
 
-    def _compatible_head(self) -> list[Request]:
+    def next_wave(self) -> list[Request]:
         """The longest FIFO run of waiting requests that may join the running set.
 
         They share the batch key of the running requests (or of the head of
@@ -129,7 +132,7 @@ class BaseScheduler(abc.ABC):
             wave.append(request)
         return wave
 
-    def _make_output(
+    def build_output(
         self, new: list[Request], cached_ids: tuple[str, ...] = ()
     ) -> SchedulerOutput | None:
         """Fire ``schedule`` on ``new`` and build the output (``None``: nothing to say)."""
@@ -155,7 +158,7 @@ class BaseScheduler(abc.ABC):
 
     def schedule_release(self) -> SchedulerOutput | None:
         """An output that runs nothing and only reports finished ids (so workers free state)."""
-        return self._make_output([])
+        return self.build_output([])
 
     # -- hooks: the scheduler's tables follow the machine ------------------------------
 

@@ -30,10 +30,10 @@ class RequestScheduler(BaseScheduler):
 
     def schedule(self, now: float) -> SchedulerOutput | None:
         self._wakeup_at = None
-        wave = self._compatible_head()
+        wave = self.next_wave()
         if wave and self._should_wait_for_more(wave, now):
             wave = []
-        return self._make_output(wave)
+        return self.build_output(wave)
 
     def next_wakeup(self) -> float | None:
         return self._wakeup_at
@@ -56,6 +56,8 @@ class RequestScheduler(BaseScheduler):
     def _should_wait_for_more(self, wave: list[Request], now: float) -> bool:
         if self.max_wait_s == 0 or len(wave) + len(self.running) >= self.max_num_running_reqs:
             return False
+        if len(wave) < len(self.waiting):
+            return False  # an incompatible request already ends this wave: it cannot grow
         deadline = wave[0].arrival_time + self.max_wait_s
         newest = next(reversed(self.waiting.values()))
         stable_at = newest.arrival_time + self.stable_window_s

@@ -21,12 +21,14 @@ class StepScheduler(BaseScheduler):
     request's progress but never holds model tensors.
     """
 
+    execution_mode = "step"
+
     def batch_key_for(self, params: SamplingParams) -> Hashable:
         return params.step_batch_key()
 
     def schedule(self, now: float) -> SchedulerOutput | None:
         cached_ids = tuple(self.running)
-        return self._make_output(self._compatible_head(), cached_ids)
+        return self.build_output(self.next_wave(), cached_ids)
 
     def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> None:
         fire = self.machine.fire
