@@ -13,6 +13,7 @@ PipelineFactory = Callable[..., Any]
 #: Built-in pipelines, as import paths so that naming one never imports the others.
 BUILTIN_PIPELINES: dict[str, str] = {
     "digits": "diffusion_runtime.pipelines.digits:DigitsPipeline",
+    "diffusers": "diffusion_runtime.pipelines.diffusers:from_pretrained_dir",
     "testing-noise": "diffusion_runtime.testing.pipelines:SeededNoisePipeline",
     "testing-faults": "diffusion_runtime.testing.pipelines:FaultInjectingPipeline",
     "testing-null": "diffusion_runtime.testing.pipelines:NullPipeline",
@@ -21,14 +22,22 @@ BUILTIN_PIPELINES: dict[str, str] = {
 _registered: dict[str, PipelineFactory] = {}
 
 
-def register_pipeline(name: str, factory: PipelineFactory) -> None:
+def register_pipeline(name: str, factory: PipelineFactory, *, replace: bool = False) -> None:
     """Make ``EngineConfig(pipeline=name)`` build pipelines with ``factory``.
 
     Registration is per process: with worker processes, prefer an import path.
+    Registering a taken name raises unless ``replace=True``.
     """
     if name in BUILTIN_PIPELINES:
         raise ValueError(f"pipeline name {name!r} is taken by a built-in pipeline")
+    if name in _registered and not replace:
+        raise ValueError(f"pipeline name {name!r} is already registered; pass replace=True")
     _registered[name] = factory
+
+
+def is_known_pipeline_name(name: str) -> bool:
+    """A registered or built-in name, or something shaped like an import path."""
+    return name in _registered or name in BUILTIN_PIPELINES or ":" in name or "." in name
 
 
 def import_object(path: str) -> Any:
