@@ -1,0 +1,20 @@
+"""Long runs, skipped by default: `python -m pytest -m slow`."""
+
+from __future__ import annotations
+
+import pytest
+from test_mutations import harness
+
+from diffusion_runtime.testing.mutations import CATALOGUE, hunt
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_real_runtime_survives_a_long_hunt(mode: str) -> None:
+    assert hunt(None, harness(mode), max_examples=400, steps=40) is None
+
+
+def test_every_mutation_is_caught_with_longer_sequences() -> None:
+    missed = [m.name for m in CATALOGUE if hunt(m, harness(m.mode), 200, steps=40) is None]
+    assert missed == []
