@@ -1,0 +1,25 @@
+"""Test tools for the runtime and for users' own components.
+
+- :mod:`~diffusion_runtime.testing.harness`: the lifecycle property test
+  (:func:`lifecycle_test_case`, :func:`lifecycle_machine`);
+- :mod:`~diffusion_runtime.testing.strategies`: hypothesis strategies;
+- :mod:`~diffusion_runtime.testing.mutations`: broken runtimes the harness must catch;
+- :mod:`~diffusion_runtime.testing.pipelines`: small deterministic pipelines
+  with fault injection (no hypothesis needed).
+
+The harness needs ``hypothesis`` (the ``test`` extra); it is imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["EngineLifecycleMachine", "lifecycle_machine", "lifecycle_test_case"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from diffusion_runtime.testing import harness
+
+        return getattr(harness, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
