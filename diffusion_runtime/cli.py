@@ -75,12 +75,16 @@ async def _run_with_progress(
 
 
 def save_grid(outputs: list[RequestOutput], path: Path) -> None:
-    """All images of all outputs in one PNG, one row per request."""
+    """All images of all outputs in one PNG: one row per request, or rows of ten
+    when every request has a single image."""
     from PIL import Image
 
     rows = [out.pil_images() for out in outputs if out.ok]
     if not rows:
         return
+    if all(len(row) == 1 for row in rows):
+        flat = [row[0] for row in rows]
+        rows = [flat[i : i + 10] for i in range(0, len(flat), 10)]
     cell_w = max(img.width for row in rows for img in row)
     cell_h = max(img.height for row in rows for img in row)
     columns = max(len(row) for row in rows)
