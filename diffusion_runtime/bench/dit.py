@@ -1,0 +1,154 @@
+"""A tiny DiT through the engine in step mode vs diffusers' own ``pipe()``, side by side.
+
+For each batch size B, the same B class-label requests (one image each,
+their own seeds) are served three ways, interleaved within one run: by
+diffusers, calling ``pipe()`` once per request in sequence; by a step-mode
+engine with ``max_num_seqs=B``, where the requests share every denoising step
+(one transformer call per step for all of them); and by the same engine with
+the transformer called on fixed-size chunks of ``rows_per_call`` rows, which
+makes every image independent of its batch mates. Reported per B: images per
+second of each, the ratios to diffusers, and how far the engine's images are
+from diffusers' (bit-identical at B = 1 without fixed chunks; batch mates
+change CPU GEMM rounding otherwise). The model has random weights built from config: nothing
+is downloaded. Needs the ``diffusers`` extra.
+"""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.pipelines.diffusers import DiffusersPipeline
+from diffusion_runtime.sampling_params import SamplingParams
+
+
+def tiny_dit(latent_size: int = 16, seed: int = 0) -> Any:
+    """A random-weight ``DiTPipeline``: 2 layers, 2 heads of 16, patch 2, a 2-block VAE."""
+    diffusers = importlib.import_module("diffusers")
+    torch.manual_seed(seed)
+    transformer = diffusers.DiTTransformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=8,
+        num_layers=2,
+        sample_size=latent_size,
+        patch_size=2,
+        norm_num_groups=4,
+    )
+    vae = diffusers.AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=2 * latent_size,
+    )
+    scheduler = diffusers.DDIMScheduler(num_train_timesteps=1000)
+    pipe = diffusers.DiTPipeline(
+        transformer=transformer.eval(), vae=vae.eval(), scheduler=scheduler
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def diffusers_sequential(pipe: Any, labels: list[int], steps: int, guidance: float) -> torch.Tensor:
+    """Each request through ``pipe()`` alone, one after another."""
+    images = [
+        pipe(
+            class_labels=[label],
+            generator=torch.Generator().manual_seed(label),
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            output_type="pt",
+        ).images
+        for label in labels
+    ]
+    return torch.cat(images)
+
+
+def engine_batched(
+    engine: DiffusionEngine, labels: list[int], steps: int, guidance: float
+) -> torch.Tensor:
+    """All requests submitted at once to a step-mode engine."""
+    params = [
+        SamplingParams(num_inference_steps=steps, guidance_scale=guidance, seed=label)
+        for label in labels
+    ]
+    outputs = engine.generate(labels, params)
+    assert all(out.ok and out.image_batch is not None for out in outputs)
+    return torch.cat([out.image_batch for out in outputs if out.image_batch is not None])
+
+
+def compare(
+    pipe: Any, batch: int, steps: int, guidance: float, rows_per_call: int, repeats: int
+) -> dict[str, Any]:
+    """The three ways, interleaved ``repeats`` times after one untimed round; medians."""
+    labels = list(range(batch))
+
+    def engine(rows: int | None) -> DiffusionEngine:
+        config = EngineConfig(
+            pipeline=lambda device: DiffusersPipeline(pipe, device, rows_per_call=rows),
+            device="cpu",
+            max_num_seqs=batch,
+            execution_mode="step",
+        )
+        return DiffusionEngine.make_engine(config)
+
+    times: dict[str, list[float]] = {"diffusers": [], "engine": [], "engine_fixed_rows": []}
+    with engine(None) as plain, engine(rows_per_call) as fixed:
+        ways: dict[str, Callable[[], torch.Tensor]] = {
+            "diffusers": lambda: diffusers_sequential(pipe, labels, steps, guidance),
+            "engine": lambda: engine_batched(plain, labels, steps, guidance),
+            "engine_fixed_rows": lambda: engine_batched(fixed, labels, steps, guidance),
+        }
+        images = {name: way() for name, way in ways.items()}
+        for _ in range(repeats):
+            for name, way in ways.items():
+                start = time.perf_counter()
+                way()
+                times[name].append(time.perf_counter() - start)
+    rate = {name: batch / statistics.median(samples) for name, samples in times.items()}
+    expected = images["diffusers"]
+    return {
+        **{f"{name}_images_per_s": round(value, 1) for name, value in rate.items()},
+        "engine_over_diffusers": round(rate["engine"] / rate["diffusers"], 2),
+        "engine_fixed_rows_over_diffusers": round(rate["engine_fixed_rows"] / rate["diffusers"], 2),
+        "engine_bit_identical": torch.equal(images["engine"], expected),
+        "engine_max_abs_diff": float((images["engine"] - expected).abs().max()),
+        "engine_fixed_rows_max_abs_diff": float(
+            (images["engine_fixed_rows"] - expected).abs().max()
+        ),
+    }
+
+
+def run(
+    batches: tuple[int, ...] = (1, 4, 8),
+    steps: int = 25,
+    guidance: float = 4.0,
+    latent_size: int = 16,
+    rows_per_call: int = 8,
+    repeats: int = 5,
+) -> dict[str, Any]:
+    """Throughput of both ways at each batch size, as a JSON-able dict."""
+    pipe = tiny_dit(latent_size)
+    return {
+        "benchmark": "dit",
+        "model": f"tiny random DiT, {latent_size}x{latent_size}x4 latents, "
+        f"{2 * latent_size}x{2 * latent_size} images",
+        "steps": steps,
+        "guidance_scale": guidance,
+        "rows_per_call": rows_per_call,
+        "torch_threads": torch.get_num_threads(),
+        "by_batch": {
+            str(batch): compare(pipe, batch, steps, guidance, rows_per_call, repeats)
+            for batch in batches
+        },
+    }
