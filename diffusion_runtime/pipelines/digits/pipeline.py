@@ -70,7 +70,9 @@ class DigitsPipeline:
 
     supports_request_batch = True
 
-    def __init__(self, device: torch.device | str = "cpu", weights_dir: str | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str = "cpu", weights_dir: str | Path | None = None
+    ) -> None:
         self.device = torch.device(device)
         root = WEIGHTS_DIR if weights_dir is None else Path(weights_dir)
         self.config = DenoiserConfig.load(root / DENOISER_CONFIG)
@@ -134,28 +136,26 @@ class DigitsPipeline:
     def denoise_step(self, states: Sequence[StepRequestState]) -> list[torch.Tensor]:
         """One network pass over all states (any step index); guided noise per state."""
         xs: list[torch.Tensor] = []
-        ts: list[torch.Tensor] = []
         labels: list[torch.Tensor] = []
+        timesteps: list[int] = []
+        rows: list[int] = []
         for state in states:
-            rows = 2 if _guided(state) else 1
-            x = state.latents
-            xs.append(x.repeat(rows, 1))
-            t = state.timesteps[state.step_index]
-            ts.append(torch.full((rows * x.shape[0],), t, dtype=torch.long, device=x.device))
+            copies = 2 if _guided(state) else 1
+            xs += [state.latents] * copies
             labels.append(state.conditioning)
-            if rows == 2:
+            if copies == 2:
                 labels.append(torch.full_like(state.conditioning, self.config.null_class))
+            rows.append(copies * len(state.latents))
+            timesteps += [state.timesteps[state.step_index]] * rows[-1]
+        t = torch.tensor(timesteps, dtype=torch.long, device=self.device)
         eps = self.model.predict_noise_row_stable(
-            torch.cat(xs), torch.cat(ts), torch.cat(labels), self._rows_per_call
+            torch.cat(xs), t, torch.cat(labels), self._rows_per_call
         )
         outputs = []
-        start = 0
-        for state, x in zip(states, xs, strict=True):
-            part = eps[start : start + x.shape[0]]
-            start += x.shape[0]
+        for state, part in zip(states, torch.split(eps, rows), strict=True):
             if _guided(state):
                 cond, uncond = part.chunk(2)
-                part = uncond + state.request.params.guidance_scale * (cond - uncond)
+                part = torch.lerp(uncond, cond, state.request.params.guidance_scale)
             outputs.append(part)
         return outputs
 

@@ -76,7 +76,7 @@ def train_denoiser(
         noisy = ab.sqrt() * images[index] + (1 - ab).sqrt() * noise
         loss = F.mse_loss(model(noisy, t, cond), noise)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        torch.autograd.backward(loss)
         optimizer.step()
         schedule.step()
         if log_every and step % log_every == 0:
@@ -139,9 +139,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"classifier held-out accuracy {accuracy:.4f}", flush=True)
 
     start = time.perf_counter()
-    model = train_denoiser(
-        pixels, labels, DenoiserConfig(), args.steps, args.seed, log_every=500
-    )
+    model = train_denoiser(pixels, labels, DenoiserConfig(), args.steps, args.seed, log_every=500)
     write_denoiser(model, args.out)
     print(f"denoiser: {args.steps} steps in {time.perf_counter() - start:.0f}s -> {args.out}")
 
