@@ -49,4 +49,8 @@ def request_mixes(
     max_size: int = 8,
 ) -> st.SearchStrategy[list[tuple[Any, SamplingParams]]]:
     """Lists of ``(prompt, params)``: a burst of requests arriving together."""
-    return st.lists(st.tuples(prompts, params or sampling_params()), min_size=1, max_size=max_size)
+    return st.lists(
+        st.tuples(prompts, params if params is not None else sampling_params()),
+        min_size=1,
+        max_size=max_size,
+    )
