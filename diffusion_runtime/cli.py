@@ -188,6 +188,7 @@ BENCHMARKS = {
     "control-plane": "diffusion_runtime.bench.control_plane:run",
     "step-vs-request": "diffusion_runtime.bench.step_vs_request:run",
     "dit": "diffusion_runtime.bench.dit:run",
+    "digits": "diffusion_runtime.bench.digits:run",
     "ipc": "diffusion_runtime.bench.ipc:run",
 }
 

@@ -1,0 +1,60 @@
+"""Digits throughput: images/s alone and in batches, through the engine vs the pipeline directly.
+
+For each batch size B, B requests (25 steps, one image each) run as one
+``generate`` call through a request-mode engine with ``max_num_seqs=B``, and
+as one direct ``pipeline.forward`` of the same B requests; both are repeated
+and the best time is kept. The ratio engine/direct says what the runtime costs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.pipelines.digits import DigitsPipeline
+from diffusion_runtime.runner.protocols import PipelineRequest
+from diffusion_runtime.sampling_params import SamplingParams
+
+
+def best_of(repeats: int, fn: Any) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def run(
+    batch_sizes: tuple[int, ...] = (1, 8, 64), steps: int = 25, repeats: int = 5
+) -> dict[str, Any]:
+    params = SamplingParams(num_inference_steps=steps, seed=0)
+    pipeline = DigitsPipeline("cpu")
+    results: dict[str, Any] = {"benchmark": "digits", "steps": steps, "batches": {}}
+    for size in batch_sizes:
+        prompts = [str(i % 10) for i in range(size)]
+        requests = [
+            PipelineRequest(f"r{i}", p, params, i, torch.device("cpu"))
+            for i, p in enumerate(prompts)
+        ]
+
+        def direct(requests: list[PipelineRequest] = requests) -> None:
+            with torch.inference_mode():
+                pipeline.forward(requests)
+
+        config = EngineConfig(pipeline="digits", device="cpu", max_num_seqs=size)
+        with DiffusionEngine.make_engine(config) as engine:
+            through_engine = best_of(
+                repeats, lambda prompts=prompts: engine.generate(prompts, params)
+            )
+        direct_s = best_of(repeats, direct)
+        results["batches"][str(size)] = {
+            "engine_images_per_s": round(size / through_engine, 1),
+            "direct_images_per_s": round(size / direct_s, 1),
+            "engine_over_direct": round(direct_s / through_engine, 3),
+        }
+    return results
