@@ -341,8 +341,7 @@ def test_executor_backend_selection(make_engine: Build) -> None:
     assert CountingExecutor.waves >= 2  # warm-up and the request
     path = f"{__name__}:CountingExecutor"
     assert make_engine(executor_backend=path).generate(["b"], FAST)[0].ok
-    with pytest.raises(NotImplementedError, match="'mp'"):
-        make_engine(executor_backend="mp")
+    assert make_engine(executor_backend="mp").generate(["c"], FAST)[0].ok
     with pytest.raises(TypeError, match="not a DiffusionExecutor"):
         make_engine(executor_backend="builtins:dict")
     assert issubclass(CountingExecutor, DiffusionExecutor)
@@ -365,8 +364,8 @@ def test_failed_construction_or_warm_up_leaves_nothing_running() -> None:
         DiffusionEngine.make_engine(EngineConfig(pipeline=failing_factory, device="cpu"))
     with pytest.raises(RuntimeError, match="warm-up request failed: RuntimeError: model is broken"):
         DiffusionEngine.make_engine(EngineConfig(pipeline=BadWarmup, device="cpu"))
-    with pytest.raises(ValueError, match="unknown pipeline 'nope'"):
-        DiffusionEngine.make_engine(EngineConfig(pipeline="nope", device="cpu"))
+    with pytest.raises(ModuleNotFoundError, match="No module named 'nope'"):
+        DiffusionEngine.make_engine(EngineConfig(pipeline="nope.missing:Pipeline", device="cpu"))
     assert engine_threads() == []
 
 
@@ -376,3 +375,74 @@ def test_engine_works_as_a_context_manager() -> None:
     ) as engine:
         assert engine.generate("one", FAST)[0].ok
     assert engine.is_closed and engine_threads() == []
+
+
+def test_check_health_after_close_and_reserved_rpc_methods(make_engine: Build) -> None:
+    engine = make_engine()
+    for reserved in ("execute_model", "release_requests"):
+        with pytest.raises(RPCError, match="reserved for the executor"):
+            engine.collective_rpc(reserved)
+    engine.check_health()
+    engine.close()
+    with pytest.raises(EngineClosedError):
+        engine.check_health()
+
+
+class LeakyExtension:
+    """A worker extension holding a callable attribute: only its methods are RPCs."""
+
+    def __init__(self, worker: Any) -> None:
+        self.helper = print
+
+    def ping(self) -> str:
+        return "pong"
+
+
+def test_only_extension_methods_become_rpc_methods(make_engine: Build) -> None:
+    engine = make_engine(worker_extensions=(LeakyExtension,))
+    assert engine.collective_rpc("ping", unique_reply_rank=0) == "pong"
+    with pytest.raises(RPCError, match="not callable"):
+        engine.collective_rpc("helper")
+
+
+def test_a_scheduler_for_the_other_mode_is_refused() -> None:
+    from diffusion_runtime.scheduler.step_scheduler import StepScheduler
+
+    config = EngineConfig(pipeline="testing-noise", device="cpu")
+    with pytest.raises(ValueError, match="StepScheduler schedules step mode"):
+        DiffusionEngine(config, scheduler_cls=StepScheduler)
+    assert engine_threads() == []
+
+
+def test_a_single_non_list_prompt_is_one_request(make_engine: Build) -> None:
+    engine = make_engine()
+    [out] = engine.generate("abc", FAST)
+    assert out.ok
+    with pytest.raises(InvalidFieldError, match="prompt"):
+        engine.generate(b"ab", FAST)
+
+
+class HalfPipeline:
+    def __init__(self, device: Any) -> None:
+        self.device = device
+
+    def forward(self, batch: Any) -> Any:
+        return {}
+
+
+def test_a_pipeline_without_the_contract_is_refused_at_start() -> None:
+    from diffusion_runtime import PipelineContractError
+
+    with pytest.raises(PipelineContractError, match="HalfPipeline lacks supports_request_batch"):
+        DiffusionEngine.make_engine(EngineConfig(pipeline=HalfPipeline, device="cpu"))
+    assert engine_threads() == []
+
+
+def test_pil_images_by_channel_count() -> None:
+    from diffusion_runtime.outputs import RequestOutput
+
+    for channels, mode in [(1, "L"), (3, "RGB"), (4, "RGBA")]:
+        out = RequestOutput(
+            "r", RequestStatus.FINISHED_COMPLETED, True, torch.rand(2, channels, 4, 4), 0
+        )
+        assert [im.mode for im in out.pil_images()] == [mode, mode]

@@ -14,10 +14,9 @@ def resolve_executor_class(config: EngineConfig) -> type[DiffusionExecutor]:
 
         return UniProcExecutor
     if backend == "mp":
-        raise NotImplementedError(
-            "EngineConfig.executor_backend 'mp' (worker processes) is not available yet; "
-            "use 'uni' with num_workers=1"
-        )
+        from diffusion_runtime.executor.mp import MultiprocExecutor
+
+        return MultiprocExecutor
     cls = import_object(backend) if isinstance(backend, str) else backend
     if not (isinstance(cls, type) and issubclass(cls, DiffusionExecutor)):
         raise TypeError(

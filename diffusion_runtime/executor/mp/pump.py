@@ -1,0 +1,62 @@
+"""The result pump: one thread that reads every worker's result pipe."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+
+from diffusion_runtime.executor.mp.messages import FromWorker, loads
+from diffusion_runtime.executor.mp.wakeup import Wakeup
+
+logger = logging.getLogger(__name__)
+
+
+class ResultPump:
+    """Decodes each message from the workers and hands it to ``deliver``.
+
+    ``deliver`` returns False once nobody is left to deliver to. A worker's
+    pipe that reaches end-of-file is dropped: the death monitor reports the
+    death, the pump only stops listening.
+    """
+
+    def __init__(
+        self, connections: Sequence[Connection], deliver: Callable[[FromWorker], bool]
+    ) -> None:
+        self._connections = list(connections)
+        self._deliver = deliver
+        self._wakeup = Wakeup()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="diffusion-mp-results", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread and wait for it (unless called from it)."""
+        self._closing = True
+        self._wakeup.set()
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._wakeup.close()
+
+    def _run(self) -> None:
+        wakeup = self._wakeup.fileno()
+        open_connections = list(self._connections)
+        while open_connections and not self._closing:
+            for ready in wait([wakeup, *open_connections]):
+                if not isinstance(ready, Connection) or self._closing:
+                    return
+                try:
+                    data = ready.recv_bytes()
+                except (EOFError, OSError):
+                    open_connections.remove(ready)
+                    continue
+                try:
+                    message = loads(data)
+                except Exception:
+                    logger.exception("dropped a worker message that could not be decoded")
+                    continue
+                if not self._deliver(message):
+                    return

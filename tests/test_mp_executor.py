@@ -1,0 +1,580 @@
+"""The mp executor: real worker processes, real torch pipelines, nothing left behind.
+
+Classes that workers must build (pipelines, extensions) live at module level
+so that spawned processes can import them from this file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import unittest
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+import hypothesis.strategies as st
+import pytest
+import torch
+from conftest import engine_threads, factory_of
+from hypothesis import HealthCheck, settings
+
+from diffusion_runtime import (
+    DiffusionEngine,
+    EngineConfig,
+    EngineDeadError,
+    InvalidFieldError,
+    RequestOutput,
+    RPCError,
+    SamplingParams,
+    register_pipeline,
+)
+from diffusion_runtime.executor.mp import MultiprocExecutor, WorkerStartError
+from diffusion_runtime.executor.mp.messages import ComputeDone, FromWorker, OutputReady
+from diffusion_runtime.executor.mp.segments import SEGMENT_PREFIX, segment_names
+from diffusion_runtime.runner.protocols import PipelineRequest, StepRequestState
+from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
+from diffusion_runtime.testing.harness import lifecycle_test_case
+from diffusion_runtime.testing.pipelines import FaultInjectingPipeline, SeededNoisePipeline
+
+FAST = SamplingParams(num_inference_steps=3, seed=11, height=32, width=32)
+
+
+# -- what the workers build ------------------------------------------------------------
+
+
+class Probe:
+    """A worker extension: each public method is an RPC method on every rank."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def rank(self) -> int:
+        return int(self.worker.rank)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def forward_batches(self) -> list[list[str]]:
+        return list(self.worker.pipeline.forward_batches)
+
+    def all_reduce_rank(self) -> int:
+        total = torch.tensor([self.worker.rank])
+        torch.distributed.all_reduce(total)
+        return int(total.item())
+
+    def wait_for_file(self, path: str) -> str:
+        """Block this rank's command loop until ``path`` exists."""
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return "late"
+
+    def raise_value_error(self, message: str) -> None:
+        raise ValueError(message)
+
+
+class FailsOnRankOne:
+    """A worker extension whose construction fails on rank 1 only."""
+
+    def __init__(self, worker: Any) -> None:
+        if worker.rank == 1:
+            raise OSError("weights not found on rank 1")
+
+
+def exits_during_start(device: Any) -> Any:
+    os._exit(3)
+
+
+class GatedPipeline(FaultInjectingPipeline):
+    """Leaves a file in ``flag_dir`` when a "gate" forward starts (the gate is per process)."""
+
+    def __init__(self, device: Any = "cpu", flag_dir: str = "") -> None:
+        super().__init__(device)
+        self.flag_dir = flag_dir
+
+    def forward(self, batch: Sequence[PipelineRequest]) -> Any:
+        if any("gate" in str(request.prompt) for request in batch):
+            Path(self.flag_dir, f"entered-{os.getpid()}").touch()
+        return super().forward(batch)
+
+
+class PreviewingNoise(SeededNoisePipeline):
+    """The noise pipeline with streaming previews."""
+
+    def preview(self, state: StepRequestState) -> torch.Tensor:
+        return torch.sigmoid(state.latents)
+
+
+class AlternatingOrder(MultiprocExecutor):
+    """Delivers each wave's two messages in a forced order, alternating by wave:
+    OutputReady first, then ComputeDone first, and so on."""
+
+    orders: ClassVar[list[tuple[str, str]]] = []
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._pairs: dict[int, dict[type, FromWorker]] = {}
+        super().__init__(config)
+
+    def _on_worker_message(self, message: FromWorker) -> None:
+        if not isinstance(message, (ComputeDone, OutputReady)):
+            super()._on_worker_message(message)
+            return
+        pair = self._pairs.setdefault(message.call_id, {})
+        pair[type(message)] = message
+        if len(pair) < 2:
+            return
+        del self._pairs[message.call_id]
+        kinds = [OutputReady, ComputeDone]
+        if len(self.orders) % 2:
+            kinds.reverse()
+        for kind in kinds:
+            super()._on_worker_message(pair[kind])
+        self.orders.append((kinds[0].__name__, kinds[1].__name__))
+
+
+class HeldOutput(MultiprocExecutor):
+    """Holds each OutputReady in the result pump until the test lets it through."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.output_arrived = threading.Event()
+        self.let_through = threading.Event()
+        super().__init__(config)
+
+    def _on_worker_message(self, message: FromWorker) -> None:
+        if isinstance(message, OutputReady) and message.slots:
+            self.output_arrived.set()
+            assert self.let_through.wait(30)
+        super()._on_worker_message(message)
+
+
+register_pipeline("mp-test-faults", FaultInjectingPipeline)
+register_pipeline("mp-test-lambda", lambda device: SeededNoisePipeline(device))
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def child_pids() -> list[int]:
+    """Live children of this process from /proc, except multiprocessing's resource tracker."""
+    me = str(os.getpid())
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+            cmdline = Path("/proc", entry, "cmdline").read_bytes()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[1] == me and b"resource_tracker" not in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def our_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("diffusion-")]
+
+
+def mp_config(pipeline: Any = "testing-faults", **overrides: Any) -> EngineConfig:
+    overrides.setdefault("device", "cpu")
+    overrides.setdefault("executor_backend", "mp")
+    overrides.setdefault("worker_start_timeout_s", 60.0)
+    return EngineConfig(pipeline=pipeline, **overrides)
+
+
+def wave(wave_id: int, prompts: dict[str, str], params: SamplingParams = FAST) -> SchedulerOutput:
+    new = tuple(NewRequestData(rid, prompt, params, 1) for rid, prompt in prompts.items())
+    return SchedulerOutput(wave_id, new, (), (), len(new), 0)
+
+
+def run_in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def body() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=body, daemon=True).start()
+    return future
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """After each test: no worker process, runtime thread or shared-memory segment."""
+    yield
+    assert wait_for(lambda: not multiprocessing.active_children() and not child_pids())
+    assert wait_for(lambda: not our_threads()), our_threads()
+    assert segment_names(f"{SEGMENT_PREFIX}{os.getpid()}-") == []
+
+
+Build = Callable[[EngineConfig], DiffusionEngine]
+
+
+@pytest.fixture
+def engines() -> Iterator[Build]:
+    built: list[DiffusionEngine] = []
+
+    def build(config: EngineConfig) -> DiffusionEngine:
+        engine = DiffusionEngine.make_engine(config)
+        built.append(engine)
+        return engine
+
+    yield build
+    for engine in built:
+        engine.close()
+    assert engine_threads() == []
+
+
+def same_results(a: Sequence[RequestOutput], b: Sequence[RequestOutput]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert (x.status, x.error, x.seed) == (y.status, y.error, y.seed)
+        if x.image_batch is None:
+            assert y.image_batch is None
+        else:
+            assert y.image_batch is not None and torch.equal(x.image_batch, y.image_batch)
+
+
+# -- serving ---------------------------------------------------------------------------
+
+# Small waves travel inside their OutputReady message; "owl" (two 160x160
+# images, its own wave) crosses through shared memory.
+PROMPTS = ["cat", "dog", 7, "cat", "fail now", "owl"]
+PARAMS = [
+    SamplingParams(num_inference_steps=4, seed=s, height=64, width=64, num_outputs_per_prompt=n)
+    for s, n in [(1, 1), (2, 2), (3, 1), (4, 1)]
+] + [
+    SamplingParams(num_inference_steps=2, seed=5, height=64, width=64),
+    SamplingParams(num_inference_steps=4, seed=6, height=160, width=160, num_outputs_per_prompt=2),
+]
+LARGE = SamplingParams(num_inference_steps=2, seed=1, height=160, width=160)
+
+
+def test_one_worker_serves_the_same_bits_as_uni_and_survives_request_failures(
+    engines: Build,
+) -> None:
+    uni = engines(mp_config(executor_backend="uni", max_num_seqs=4))
+    mp = engines(mp_config(max_num_seqs=4))
+    expected = uni.generate(PROMPTS, PARAMS)
+    outputs = mp.generate(PROMPTS, PARAMS)
+    same_results(expected, outputs)
+    assert [o.ok for o in outputs] == [True, True, True, True, False, True]
+    assert outputs[4].error == "RuntimeError: injected failure"
+    assert outputs[1].image_batch is not None and outputs[1].image_batch.shape == (2, 3, 64, 64)
+    assert outputs[5].image_batch is not None and outputs[5].image_batch.shape == (2, 3, 160, 160)
+    assert mp.generate(["still serving"], FAST)[0].ok
+
+
+def test_admission_errors_keep_their_type_and_field(engines: Build) -> None:
+    engine = engines(mp_config("mp-test-faults"))  # a registered name reaches the workers
+    with pytest.raises(InvalidFieldError) as bad_prompt:
+        engine.generate([3.5], FAST)
+    assert bad_prompt.value.field == "prompt" and bad_prompt.value.value == 3.5
+    with pytest.raises(InvalidFieldError) as too_tall:
+        engine.generate(["x"], SamplingParams(height=1000))
+    assert too_tall.value.field == "height"
+    assert "FaultInjectingPipeline.height must be at most 256" in str(too_tall.value)
+    with pytest.raises(InvalidFieldError, match="must be picklable") as unpicklable:
+        engine.generate([threading.Lock()], FAST)
+    assert unpicklable.value.field == "prompt"
+    assert engine.generate(["fine"], FAST)[0].ok
+
+
+def test_two_workers_run_every_wave_on_every_rank_in_a_process_group(engines: Build) -> None:
+    config = mp_config(
+        num_workers=2, max_num_seqs=4, worker_extensions=(Probe,), init_distributed=True
+    )
+    engine = engines(config)
+    assert engine.collective_rpc("device_name") == ["cpu", "cpu"]
+    assert engine.collective_rpc("all_reduce_rank") == [1, 1]
+    pids = engine.collective_rpc("pid")
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    uni = engines(mp_config(executor_backend="uni", max_num_seqs=4))
+    same_results(uni.generate(PROMPTS, PARAMS), engine.generate(PROMPTS, PARAMS))
+    rank0, rank1 = engine.collective_rpc("forward_batches")
+    assert rank0 == rank1  # every rank ran the same waves, fused the same way
+    assert max(len(batch) for batch in rank0) > 1
+
+
+def test_collective_rpc_replies_by_rank_refuses_and_times_out(
+    engines: Build, tmp_path: Path
+) -> None:
+    engine = engines(mp_config(num_workers=2, worker_extensions=(Probe,)))
+    assert engine.collective_rpc("rank") == [0, 1]
+    assert engine.collective_rpc("rank", unique_reply_rank=1) == 1
+    with pytest.raises(RPCError, match="not callable"):
+        engine.collective_rpc("shutdown")
+    with pytest.raises(RPCError, match="unique_reply_rank 2 does not exist"):
+        engine.collective_rpc("rank", unique_reply_rank=2)
+    with pytest.raises(ValueError, match="no good") as raised:
+        engine.collective_rpc("raise_value_error", ("no good",), unique_reply_rank=1)
+    assert "in worker 1" in str(raised.value.__cause__)
+
+    flag = tmp_path / "go"
+    started = time.monotonic()
+    with pytest.raises(RPCError, match=r"'wait_for_file' timed out after 0\.3 s"):
+        engine.collective_rpc("wait_for_file", (str(flag),), timeout=0.3)
+    assert time.monotonic() - started < 5
+    flag.touch()  # the workers now reply "late" to a call nobody waits for
+    assert engine.collective_rpc("rank") == [0, 1]
+    assert engine.collective_rpc("rank", unique_reply_rank=0) == 0
+    assert engine.generate(["after the timeout"], FAST)[0].ok
+
+
+def test_step_mode_streams_previews_through_shared_memory(engines: Build) -> None:
+    options = dict(streaming_output=True, preview_interval=2, max_num_seqs=4)
+    uni = engines(mp_config(PreviewingNoise, executor_backend="uni", **options))
+    mp = engines(mp_config(PreviewingNoise, **options))
+
+    async def stream(engine: DiffusionEngine, prompt: str, size: int) -> list[RequestOutput]:
+        params = SamplingParams(num_inference_steps=5, seed=size, height=size, width=size)
+        rid = await engine.add_request(prompt, params)
+        return [out async for out in engine.stream(rid)]
+
+    async def both(engine: DiffusionEngine) -> list[list[RequestOutput]]:
+        # 48x48 previews travel inline, 160x160 ones through shared memory.
+        return list(await asyncio.gather(stream(engine, "a", 48), stream(engine, "b", 160)))
+
+    for expected, got in zip(asyncio.run(both(uni)), asyncio.run(both(mp)), strict=True):
+        assert [(o.step, o.finished) for o in got] == [(o.step, o.finished) for o in expected]
+        same_results(expected, got)
+        assert sum(o.image_batch is not None for o in got) >= 3  # previews and the final image
+
+
+# -- two-phase output ------------------------------------------------------------------
+
+
+def test_compute_done_and_output_ready_are_handled_in_either_order(engines: Build) -> None:
+    AlternatingOrder.orders.clear()
+    engine = engines(mp_config(executor_backend=AlternatingOrder))
+    uni = engines(mp_config(executor_backend="uni"))
+    prompts = ["one", "two", "three", "four"]
+    params = [SamplingParams(num_inference_steps=2, seed=s, height=40, width=40) for s in (1, 2)]
+    params += [attrs.evolve(LARGE, seed=s) for s in (3, 4)]  # through shared memory
+    for prompt, p in zip(prompts, params, strict=True):  # one wave each
+        same_results(uni.generate([prompt], p), engine.generate([prompt], p))
+    assert set(AlternatingOrder.orders) == {
+        ("OutputReady", "ComputeDone"),
+        ("ComputeDone", "OutputReady"),
+    }
+
+
+def test_a_request_released_while_its_output_materialises_is_never_copied() -> None:
+    executor = HeldOutput(mp_config())
+
+    def run_and_release(batch: SchedulerOutput, released: str) -> Any:
+        executor.output_arrived.clear()
+        executor.let_through.clear()
+        result = run_in_thread(partial(executor.execute, batch))
+        assert executor.output_arrived.wait(10)  # rank 0 has packed; the executor has not read
+        assert executor.held_request_ids() == set(batch.scheduled_ids)
+        executor.release_request(released)  # what the engine's terminal hook does on abort
+        executor.let_through.set()
+        return result.result(10)
+
+    try:
+        result = run_and_release(wave(1, {"a": "kept", "b": "aborted"}, LARGE), "b")
+        assert set(result.images) == {"a"} and result.images["a"].shape == (1, 3, 160, 160)
+        assert executor.held_request_ids() == frozenset()
+        # A wave whose every request was released is handed back without a copy;
+        # if a lease leaked, each wave would need a new segment.
+        for wave_id in range(2, 7):
+            batch = wave(wave_id, {f"r{wave_id}": "x"}, LARGE)
+            assert run_and_release(batch, f"r{wave_id}").images == {}
+        assert executor.held_request_ids() == frozenset()
+        assert len(segment_names(executor.segment_prefix)) == 1
+    finally:
+        executor.let_through.set()
+        executor.shutdown()
+    assert segment_names(executor.segment_prefix) == []
+
+
+# -- failures --------------------------------------------------------------------------
+
+
+def test_a_killed_worker_fails_the_blocked_call_at_once(engines: Build, tmp_path: Path) -> None:
+    config = mp_config(
+        GatedPipeline,
+        pipeline_kwargs={"flag_dir": str(tmp_path)},
+        num_workers=2,
+        worker_extensions=(Probe,),
+        shutdown_grace_s=0.5,
+    )
+    engine = engines(config)
+    pids = engine.collective_rpc("pid")
+    blocked = run_in_thread(lambda: engine.generate(["gate"], FAST))
+    assert wait_for(lambda: len(list(tmp_path.glob("entered-*"))) == 2)
+
+    # Admission checks do not queue behind the running wave.
+    started = time.monotonic()
+    with pytest.raises(InvalidFieldError):
+        engine.generate([2.5], FAST)
+    assert time.monotonic() - started < 1.0
+
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"worker 1 .* killed by SIGKILL"):
+        blocked.result(5)
+    assert time.monotonic() - killed < 1.0
+    with pytest.raises(EngineDeadError, match="SIGKILL"):
+        engine.check_health()
+    with pytest.raises(EngineDeadError):
+        engine.generate(["after"], FAST)
+    assert wait_for(lambda: not multiprocessing.active_children())
+
+
+def test_a_device_fault_in_a_worker_kills_the_engine(engines: Build) -> None:
+    engine = engines(mp_config())
+    with pytest.raises(EngineDeadError, match="device fault on worker 0"):
+        engine.generate(["device-fault"], FAST)
+    with pytest.raises(EngineDeadError, match="injected device fault"):
+        engine.check_health()
+    assert wait_for(lambda: not multiprocessing.active_children())
+    engine.close()
+    engine.close()
+
+
+def test_a_worker_that_fails_to_start_leaves_nothing_running() -> None:
+    with pytest.raises(WorkerStartError, match="worker 1 failed to start: OSError: weights") as e:
+        MultiprocExecutor(mp_config(num_workers=2, worker_extensions=(FailsOnRankOne,)))
+    assert e.value.rank == 1 and isinstance(e.value.__cause__, OSError)
+    assert 'raise OSError("weights not found' in str(e.value.__cause__.__cause__)  # its traceback
+    assert not multiprocessing.active_children() and not child_pids()
+
+    with pytest.raises(WorkerStartError, match=r"worker 0 .* exited with code 3 during start-up"):
+        DiffusionEngine.make_engine(mp_config(exits_during_start))
+    with pytest.raises(WorkerStartError, match=r"not ready after 0.1 s \(ranks still starting"):
+        MultiprocExecutor(mp_config(worker_start_timeout_s=0.1))
+    assert not multiprocessing.active_children() and not child_pids()
+
+
+def test_pipelines_workers_cannot_import_are_refused_before_any_process_starts() -> None:
+    with pytest.raises(InvalidFieldError, match="module-level factory") as lambda_factory:
+        MultiprocExecutor(mp_config(lambda device: SeededNoisePipeline(device)))
+    assert lambda_factory.value.field == "pipeline"
+    with pytest.raises(InvalidFieldError, match="module-level factory"):
+        MultiprocExecutor(mp_config(factory_of(SeededNoisePipeline("cpu"))))
+    with pytest.raises(InvalidFieldError) as local_extension:
+        MultiprocExecutor(mp_config(worker_extensions=(type("Local", (), {}),)))
+    assert local_extension.value.field == "worker_extensions"
+    with pytest.raises(InvalidFieldError, match="module-level factory"):
+        MultiprocExecutor(mp_config("mp-test-lambda"))  # registered in this process only
+    assert not multiprocessing.active_children()
+
+
+# -- shutdown --------------------------------------------------------------------------
+
+
+def test_shutdown_is_idempotent_and_runs_when_the_executor_is_dropped() -> None:
+    executor = MultiprocExecutor(mp_config(worker_extensions=(Probe,)))
+    assert executor.collective_rpc("rank", unique_reply_rank=0) == 0
+    executor.shutdown()
+    executor.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        executor.collective_rpc("rank")
+    with pytest.raises(EngineDeadError, match="shut down"):
+        executor.execute(wave(1, {"a": "x"}))
+    assert not multiprocessing.active_children()
+
+    dropped = MultiprocExecutor(mp_config())
+    pid = dropped.worker_pids[0]
+    del dropped
+    gc.collect()
+    assert not multiprocessing.active_children()
+    assert not Path("/proc", str(pid)).exists()
+
+
+ENGINE_PROCESS = """
+import os
+from diffusion_runtime import EngineConfig, SamplingParams
+from diffusion_runtime.executor.mp import MultiprocExecutor
+from diffusion_runtime.executor.mp.segments import segment_names
+from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
+
+if __name__ == "__main__":
+    executor = MultiprocExecutor(EngineConfig(pipeline="testing-noise", device="cpu"))
+    large = SamplingParams(num_inference_steps=1, height=160, width=160)
+    executor.execute(SchedulerOutput(1, (NewRequestData("a", "x", large, 1),), (), (), 1, 0))
+    prefix = executor.segment_prefix
+    print(executor.worker_pids[0], prefix, len(segment_names(prefix)), flush=True)
+    os.kill(os.getpid(), 9)
+"""
+
+
+def test_workers_exit_and_unlink_their_segments_when_the_engine_process_dies() -> None:
+    engine_process = subprocess.run(
+        [sys.executable, "-c", ENGINE_PROCESS], capture_output=True, text=True, timeout=120
+    )
+    assert engine_process.returncode == -signal.SIGKILL, engine_process.stderr
+    pid, prefix, segments_before = engine_process.stdout.split()
+    assert segments_before == "1"  # the pooled output segment
+
+    def gone() -> bool:  # exited; perhaps a zombie nobody reaps in this container
+        try:
+            return Path("/proc", pid, "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return True
+
+    assert wait_for(gone)
+    assert segment_names(prefix) == []
+
+
+# -- the lifecycle harness over worker processes ----------------------------------------
+
+
+def kill_rank_one(engine: DiffusionEngine) -> None:
+    os.kill(engine.collective_rpc("pid")[1], signal.SIGKILL)
+
+
+def harness_config() -> EngineConfig:
+    # No warm-up: the harness subscribes to events after the engine is built,
+    # and must not join halfway through the warm-up's waves.
+    return mp_config(
+        num_workers=2,
+        max_num_seqs=3,
+        worker_extensions=(Probe,),
+        shutdown_grace_s=0.5,
+        warmup=False,
+    )
+
+
+def harness(max_examples: int) -> type[unittest.TestCase]:
+    """The lifecycle harness (auditor, cleanup, solo-run equality) with a killed worker."""
+    return lifecycle_test_case(
+        harness_config,
+        prompts=st.sampled_from(["cat", "dog", 7]),
+        failing_prompts=st.sampled_from(["fail", "missing"]),
+        worker_killer=kill_rank_one,
+        settings=settings(
+            max_examples=max_examples,
+            stateful_step_count=10,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
+TestLifecycleOverWorkerProcesses = harness(max_examples=2)
+TestLifecycleOverWorkerProcessesAtLength = pytest.mark.slow(harness(max_examples=30))
