@@ -117,6 +117,7 @@ class DiffusionEngine:
         self._seeds = random.Random(secrets.randbits(64))
         self._last_batch_key: tuple[SamplingParams | None, Hashable] = (None, None)
         self._trace_writer: JsonlTraceWriter | None = None
+        self._traced_waves: set[int] = set()
         self.auditor: Auditor | None = None
         self._executor = (
             executor if executor is not None else resolve_executor_class(config)(config)
@@ -541,6 +542,9 @@ class DiffusionEngine:
 
     def _trace_wave(self, output: SchedulerOutput | None) -> SchedulerOutput | None:
         if output is not None and self.machine.traced:
+            # A wave's runner event is published only if its wave event was: a
+            # subscriber that joins mid-wave never sees a result without its wave.
+            self._traced_waves.add(output.wave_id)
             self.machine.publish(
                 WaveEvent(
                     output.wave_id,
@@ -553,7 +557,8 @@ class DiffusionEngine:
         return output
 
     def _trace_runner(self, result: RunnerOutput) -> None:
-        if self.machine.traced:
+        if result.wave_id in self._traced_waves:
+            self._traced_waves.discard(result.wave_id)
             self.machine.publish(
                 RunnerEvent(
                     result.wave_id,

@@ -446,3 +446,24 @@ def test_pil_images_by_channel_count() -> None:
             "r", RequestStatus.FINISHED_COMPLETED, True, torch.rand(2, channels, 4, 4), 0
         )
         assert [im.mode for im in out.pil_images()] == [mode, mode]
+
+
+def test_a_subscriber_joining_mid_wave_sees_no_result_without_its_wave(
+    make_engine: Build, faults: FaultInjectingPipeline
+) -> None:
+    from diffusion_runtime.fsm.audit import Auditor
+
+    engine = make_engine(factory_of(faults), max_num_seqs=2)
+
+    async def scenario() -> list[RequestOutput]:
+        rid = await engine.add_request("gate", FAST)
+        assert await asyncio.to_thread(faults.gate_entered.wait, 10)
+        engine.machine.subscribe(auditor.feed)  # the wave is already running
+        faults.gate_release.set()
+        return await collect(engine, rid)
+
+    auditor = Auditor()
+    assert asyncio.run(scenario())[0].ok
+    engine.generate(["after"], FAST)
+    engine.close()
+    assert auditor.finish() == []

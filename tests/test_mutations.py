@@ -12,7 +12,7 @@ from diffusion_runtime.testing.harness import EngineLifecycleMachine, lifecycle_
 from diffusion_runtime.testing.mutations import CATALOGUE, Mutation, hunt
 from diffusion_runtime.testing.strategies import sampling_params
 
-MAX_EXAMPLES = 100
+MAX_EXAMPLES = 150
 
 
 def harness(mode: str) -> type[EngineLifecycleMachine]:

@@ -461,6 +461,10 @@ class Auditor:
     Use it as an event subscriber (``engine.machine.subscribe(auditor.feed)``)
     or feed it a trace. ``on_violation`` is called for each violation as it is
     found (e.g. to raise :class:`InvariantViolation` or log).
+
+    An auditor that saw the engine start checks everything. One attached to a
+    running engine checks the requests admitted after it joined and ignores
+    those already in flight, whose beginnings it never saw.
     """
 
     def __init__(
@@ -473,14 +477,48 @@ class Auditor:
         self.violations: list[Violation] = []
         self.complete = False
         self.events_seen = 0
+        self.saw_start = False
+        self._admitted_in_view: set[str] = set()
 
     def feed(self, event: TraceEvent) -> None:
         self.events_seen += 1
         if isinstance(event, EngineEvent):
             self.complete = event.state == "closed"
+            self.saw_start = self.saw_start or event.state == "started"
+        in_view = event if self.saw_start else self._in_view(event)
+        if in_view is None:
+            return
         for checker in self.checkers:
-            for violation in checker.feed(event):
+            for violation in checker.feed(in_view):
                 self._record(violation)
+
+    def _in_view(self, event: TraceEvent) -> TraceEvent | None:
+        """For an auditor that joined late: the part of ``event`` about requests it saw admitted."""
+        known = self._admitted_in_view
+        if isinstance(event, LifecycleEvent):
+            if event.trigger == ADMIT:
+                known.add(event.request_id)
+            return event if event.request_id in known else None
+        if isinstance(event, (DeliveryEvent, ResourceEvent)):
+            return event if event.request_id in known else None
+        if isinstance(event, WaveEvent):
+            return attrs.evolve(
+                event,
+                new_ids=tuple(r for r in event.new_ids if r in known),
+                cached_ids=tuple(r for r in event.cached_ids if r in known),
+                finished_ids=tuple(r for r in event.finished_ids if r in known),
+            )
+        if isinstance(event, RunnerEvent):
+            return attrs.evolve(
+                event,
+                executed=tuple(r for r in event.executed if r in known),
+                produced=tuple(r for r in event.produced if r in known),
+                progressed=tuple(r for r in event.progressed if r in known),
+                failed=tuple(r for r in event.failed if r in known),
+                created=tuple(r for r in event.created if r in known),
+                released=tuple(r for r in event.released if r in known),
+            )
+        return event
 
     def finish(self) -> list[Violation]:
         """Run the end-of-trace checks and return every violation found."""

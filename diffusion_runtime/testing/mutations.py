@@ -97,14 +97,12 @@ def runner_state_kept_after_abort() -> contextlib.AbstractContextManager[None]:
 
 def executor_runs_an_unsent_id() -> contextlib.AbstractContextManager[None]:
     def make(original: Any) -> Any:
-        seen: list[NewRequestData] = []
-
         def execute(self: UniProcExecutor, output: SchedulerOutput) -> RunnerOutput:
-            if seen and output.scheduled_new_reqs:  # "retry the last request that was sent"
-                output = attrs.evolve(
-                    output, scheduled_new_reqs=(*output.scheduled_new_reqs, seen[-1])
-                )
-            seen.extend(output.scheduled_new_reqs)
+            seen: list[NewRequestData] = self.__dict__.setdefault("_sent", [])
+            sent = output.scheduled_new_reqs
+            if seen and sent:  # "retry the last request that was sent"
+                output = attrs.evolve(output, scheduled_new_reqs=(*sent, seen[-1]))
+            seen.extend(sent)
             result: RunnerOutput = original(self, output)
             return result
 
