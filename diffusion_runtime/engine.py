@@ -73,6 +73,7 @@ class EngineSnapshot:
     running_ids: frozenset[str]
     waiting: int
     runner_cached_ids: frozenset[str]
+    executor_held_ids: frozenset[str]
     unclaimed_stream_ids: frozenset[str]
 
 
@@ -319,6 +320,7 @@ class DiffusionEngine:
                     running_ids=frozenset(self.scheduler.running),
                     waiting=self.scheduler.num_waiting,
                     runner_cached_ids=frozenset(cached),
+                    executor_held_ids=self._executor.held_request_ids(),
                     unclaimed_stream_ids=frozenset(self._streams),
                 )
 

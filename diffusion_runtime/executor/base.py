@@ -59,6 +59,10 @@ class DiffusionExecutor(abc.ABC):
         """Raise ``ValueError`` for input the pipeline cannot serve (called at admission)."""
         self.collective_rpc("validate_request", (prompt, params), unique_reply_rank=0)
 
+    def held_request_ids(self) -> frozenset[str]:
+        """Ids of requests this executor holds bookkeeping for (none by default)."""
+        return frozenset()
+
     def release_request(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """Drop executor bookkeeping for a request that reached a terminal state.
 

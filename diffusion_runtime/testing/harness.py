@@ -188,6 +188,7 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
             return
         assert not finished & snapshot.scheduler_ids, finished & snapshot.scheduler_ids
         assert not finished & snapshot.runner_cached_ids, finished & snapshot.runner_cached_ids
+        assert not finished & snapshot.executor_held_ids, finished & snapshot.executor_held_ids
         if self.engine.config.resolved_mode == "step":
             assert snapshot.runner_cached_ids == snapshot.running_ids, snapshot
 
