@@ -135,3 +135,21 @@ class StepPipeline(RequestPipeline, Protocol):
     def step_scheduler(self, state: StepRequestState, model_output: torch.Tensor) -> None: ...
 
     def post_decode(self, state: StepRequestState) -> torch.Tensor: ...
+
+
+def forward_by_steps(
+    pipeline: StepPipeline, batch: Sequence[PipelineRequest]
+) -> dict[str, torch.Tensor]:
+    """A request-mode ``forward`` made of the step-mode methods.
+
+    Runs every request of ``batch`` to its last step (requests with fewer
+    steps leave the batch early) and decodes it. A pipeline whose ``forward``
+    is this function gives bit-identical images in both execution modes.
+    """
+    states = [pipeline.prepare_encode(request) for request in batch]
+    active = states
+    while active:
+        for state, model_output in zip(active, pipeline.denoise_step(active), strict=True):
+            pipeline.step_scheduler(state, model_output)
+        active = [state for state in active if not state.is_done]
+    return {state.request_id: pipeline.post_decode(state) for state in states}

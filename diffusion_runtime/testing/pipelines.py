@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from diffusion_runtime.errors import DeviceFault
-from diffusion_runtime.runner.protocols import PipelineRequest, StepRequestState
+from diffusion_runtime.runner.protocols import PipelineRequest, StepRequestState, forward_by_steps
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.validation import fail
 
@@ -57,13 +57,7 @@ class SeededNoisePipeline:
         return "warm-up", SamplingParams(num_inference_steps=1, seed=0)
 
     def forward(self, batch: Sequence[PipelineRequest]) -> Mapping[str, torch.Tensor]:
-        states = [self.prepare_encode(request) for request in batch]
-        active = states
-        while active:
-            for state, model_output in zip(active, self.denoise_step(active), strict=True):
-                self.step_scheduler(state, model_output)
-            active = [state for state in active if not state.is_done]
-        return {state.request_id: self.post_decode(state) for state in states}
+        return forward_by_steps(self, batch)
 
     # -- step mode ----------------------------------------------------------------------
 

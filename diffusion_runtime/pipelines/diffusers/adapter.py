@@ -11,7 +11,12 @@ import torch
 from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.pipelines.diffusers.family import Encoded, Family
 from diffusion_runtime.pipelines.diffusers.support import family_for
-from diffusion_runtime.runner.protocols import PipelineRequest, Prompt, StepRequestState
+from diffusion_runtime.runner.protocols import (
+    PipelineRequest,
+    Prompt,
+    StepRequestState,
+    forward_by_steps,
+)
 from diffusion_runtime.sampling_params import SamplingParams
 
 _OWNER = "DiffusersPipeline"
@@ -82,13 +87,7 @@ class DiffusersPipeline:
     @torch.no_grad()
     def forward(self, batch: Sequence[PipelineRequest]) -> dict[str, torch.Tensor]:
         """Sample every request of ``batch`` together; images keyed by request id."""
-        states = [self.prepare_encode(request) for request in batch]
-        active = states
-        while active:
-            for state, output in zip(active, self.denoise_step(active), strict=True):
-                self.step_scheduler(state, output)
-            active = [state for state in active if not state.is_done]
-        return {state.request_id: self.post_decode(state) for state in states}
+        return forward_by_steps(self, batch)
 
     # -- step mode ---------------------------------------------------------------------
 

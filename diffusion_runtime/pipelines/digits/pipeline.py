@@ -18,7 +18,12 @@ from diffusion_runtime.pipelines.digits.model import (
     cosine_alpha_bars,
     ddim_timesteps,
 )
-from diffusion_runtime.runner.protocols import PipelineRequest, Prompt, StepRequestState
+from diffusion_runtime.runner.protocols import (
+    PipelineRequest,
+    Prompt,
+    StepRequestState,
+    forward_by_steps,
+)
 from diffusion_runtime.sampling_params import SamplingParams
 
 WEIGHTS_DIR = Path(__file__).parent
@@ -108,13 +113,7 @@ class DigitsPipeline:
 
     def forward(self, batch: Sequence[PipelineRequest]) -> dict[str, torch.Tensor]:
         """Sample every request of ``batch`` as one fused batch; images keyed by request id."""
-        states = [self.prepare_encode(request) for request in batch]
-        active = states
-        while active:
-            for state, eps in zip(active, self.denoise_step(active), strict=True):
-                self.step_scheduler(state, eps)
-            active = [state for state in active if not state.is_done]
-        return {state.request_id: self.post_decode(state) for state in states}
+        return forward_by_steps(self, batch)
 
     def prepare_encode(self, request: PipelineRequest) -> StepRequestState:
         """Draw the initial noise from the request's generator and set up its schedule."""
