@@ -189,6 +189,7 @@ BENCHMARKS = {
     "step-vs-request": "diffusion_runtime.bench.step_vs_request:run",
     "dit": "diffusion_runtime.bench.dit:run",
     "digits": "diffusion_runtime.bench.digits:run",
+    "stage": "diffusion_runtime.bench.stage:run",
     "ipc": "diffusion_runtime.bench.ipc:run",
 }
 

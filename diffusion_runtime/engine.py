@@ -50,7 +50,12 @@ from diffusion_runtime.outputs import RequestMetrics, RequestOutput
 from diffusion_runtime.runner.model_runner import describe_error
 from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.runner.worker import Worker
-from diffusion_runtime.sampling_params import MAX_SEED, SamplingParams
+from diffusion_runtime.sampling_params import (
+    MAX_SEED,
+    SamplingParams,
+    checked_params,
+    prompts_and_params,
+)
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.scheduler.output import SchedulerOutput
 from diffusion_runtime.scheduler.request import Request
@@ -180,8 +185,7 @@ class DiffusionEngine:
         prompt. A request that fails or is aborted yields an output saying why;
         the call raises only when the engine closes or dies meanwhile.
         """
-        prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
-        params_list = self._params_per_prompt(params, len(prompt_list))
+        prompt_list, params_list = prompts_and_params(prompts, params)
         waiter = GenerateWaiter()
         requests = [
             self._new_request(prompt, p, None, waiter)
@@ -403,12 +407,7 @@ class DiffusionEngine:
         self, prompt: Any, params: SamplingParams | None, request_id: str | None, sink: OutputSink
     ) -> Request:
         self._check_open()
-        if params is None:
-            params = SamplingParams()
-        elif not isinstance(params, SamplingParams):
-            raise InvalidFieldError(
-                "request", "params", "must be a SamplingParams", type(params).__name__
-            )
+        params = checked_params(params)
         if request_id is None:
             request_id = f"{self._id_prefix}-{next(self._id_counter)}"
         elif not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH:
@@ -442,22 +441,6 @@ class DiffusionEngine:
                     self.scheduler.abort_request(request.request_id, "admission failed")
                 raise
         self._wakeup.set()
-
-    @staticmethod
-    def _params_per_prompt(
-        params: SamplingParams | Sequence[SamplingParams] | None, count: int
-    ) -> list[SamplingParams | None]:
-        if params is None or isinstance(params, SamplingParams):
-            return [params] * count
-        params_list = list(params)
-        if len(params_list) != count:
-            raise InvalidFieldError(
-                "generate",
-                "params",
-                f"must be one SamplingParams or one per prompt ({count})",
-                f"{len(params_list)} params",
-            )
-        return list(params_list)
 
     def _check_open(self) -> None:
         if self._fatal is not None:

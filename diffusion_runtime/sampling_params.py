@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
+from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.validation import finite_in_range, int_in_range, str_keyed_dict
 
 MAX_SEED = 2**63 - 1
@@ -46,3 +48,36 @@ class SamplingParams:
             else ()
         )
         return (self.guidance_scale, self.height, self.width, extra)
+
+
+def checked_params(params: object) -> SamplingParams:
+    """``params``, or the defaults for ``None``; anything else is an input error."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidFieldError(
+            "request", "params", "must be a SamplingParams", type(params).__name__
+        )
+    return params
+
+
+def prompts_and_params(
+    prompts: object, params: SamplingParams | Sequence[SamplingParams] | None
+) -> tuple[list[Any], list[SamplingParams | None]]:
+    """One prompt list and one params entry per prompt, for a ``generate`` call.
+
+    ``prompts`` is a list or tuple of prompts, or else one prompt; ``params`` is
+    one :class:`SamplingParams` for all prompts or one per prompt.
+    """
+    prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
+    if params is None or isinstance(params, SamplingParams):
+        return prompt_list, [params] * len(prompt_list)
+    params_list: list[SamplingParams | None] = list(params)
+    if len(params_list) != len(prompt_list):
+        raise InvalidFieldError(
+            "generate",
+            "params",
+            f"must be one SamplingParams or one per prompt ({len(prompt_list)})",
+            f"{len(params_list)} params",
+        )
+    return prompt_list, params_list

@@ -28,6 +28,17 @@ def worker_device(config: EngineConfig, rank: int) -> torch.device:
     return device
 
 
+def extension_method_names(cls: type) -> list[str]:
+    """The RPC methods a worker extension class adds: its public functions.
+
+    Only methods defined on the class count: attributes that happen to be
+    callable (a module, a stored function) never become RPC methods.
+    """
+    return [
+        name for name, _ in inspect.getmembers(cls, inspect.isfunction) if not name.startswith("_")
+    ]
+
+
 class Worker:
     """One device's worth of execution.
 
@@ -92,11 +103,7 @@ class Worker:
     def _add_extension(self, extension: str | type) -> None:
         cls = import_object(extension) if isinstance(extension, str) else extension
         instance = cls(self)
-        # Only methods defined on the class: attributes that happen to be callable
-        # (a module, a stored function) never become RPC methods.
-        for name, _ in inspect.getmembers(cls, inspect.isfunction):
-            if name.startswith("_"):
-                continue
+        for name in extension_method_names(cls):
             if name in self._methods:
                 raise ValueError(f"worker extension {cls.__name__} redefines method {name!r}")
             self._methods[name] = getattr(instance, name)

@@ -1,0 +1,14 @@
+"""The engine in a child process behind ZMQ (see ``docs/stage.md``).
+
+Modules, one job each: :mod:`.client` (:class:`StageClient`, the asyncio API),
+:mod:`.process` (spawning, the start-up handshake and stopping, client side),
+:mod:`.proc` (the stage process itself), :mod:`.messages` (the typed protocol),
+:mod:`.codec` (runtime objects to messages and back), :mod:`.batch` (merging a
+batch request's outputs), :mod:`.allow_list` (which RPC methods may be called),
+:mod:`.endpoints` (socket addresses and the private socket directory).
+"""
+
+from diffusion_runtime.stage.client import StageClient
+from diffusion_runtime.stage.errors import StageProtocolError, StageStartError
+
+__all__ = ["StageClient", "StageProtocolError", "StageStartError"]

@@ -1,0 +1,178 @@
+"""Runtime objects to messages and back: sampling params, outputs with their images, errors."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import msgspec
+import torch
+import zmq
+
+from diffusion_runtime import errors
+from diffusion_runtime.outputs import RequestMetrics, RequestOutput
+from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.stage.errors import StageProtocolError
+from diffusion_runtime.stage.messages import (
+    Error,
+    FieldErrorMsg,
+    MetricsMsg,
+    Result,
+    SamplingParamsMsg,
+    TensorMeta,
+)
+
+#: The tensor dtypes that may cross, by the name :class:`TensorMeta` uses.
+DTYPES: dict[str, torch.dtype] = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    )
+}
+
+# -- sampling params -------------------------------------------------------------------
+
+
+def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
+    return SamplingParamsMsg(**attrs.asdict(params, recurse=False))
+
+
+def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
+    """Build (and so validate) the params: ``InvalidFieldError`` names a bad field."""
+    return SamplingParams(**msgspec.structs.asdict(msg))
+
+
+# -- outputs and their images ----------------------------------------------------------
+
+
+def tensor_to_frame(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview]:
+    """The tensor's layout and a zero-copy view of its bytes (copied only if not
+    contiguous on the CPU)."""
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise TypeError(f"a {tensor.dtype} tensor cannot cross to the client")
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return TensorMeta(name, list(tensor.shape)), flat.view(torch.uint8).numpy().data
+
+
+def tensor_from_frame(meta: TensorMeta, frame: zmq.Frame) -> torch.Tensor:
+    """A tensor over the frame's own memory (no copy); the frame lives as long as it."""
+    dtype = DTYPES.get(meta.dtype)
+    if dtype is None:
+        raise StageProtocolError(f"unknown tensor dtype {meta.dtype!r}")
+    if any(size < 0 for size in meta.shape):
+        raise StageProtocolError(f"negative size in tensor shape {meta.shape}")
+    expected = math.prod(meta.shape) * dtype.itemsize
+    buffer = frame.buffer
+    if buffer.nbytes != expected:
+        raise StageProtocolError(
+            f"a {meta.dtype} tensor of shape {meta.shape} needs {expected} bytes; "
+            f"the frame holds {buffer.nbytes}"
+        )
+    if expected == 0:
+        return torch.empty(meta.shape, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype).view(meta.shape)
+
+
+def output_to_frames(output: RequestOutput) -> tuple[Result, memoryview | None]:
+    """The :class:`Result` message for ``output`` and its image frame, if it has images."""
+    meta, payload = (None, None)
+    if output.image_batch is not None:
+        meta, payload = tensor_to_frame(output.image_batch)
+    metrics = None if output.metrics is None else MetricsMsg(**attrs.asdict(output.metrics))
+    result = Result(
+        request_id=output.request_id,
+        status=output.status,
+        finished=output.finished,
+        seed=output.seed,
+        error=output.error,
+        metrics=metrics,
+        step=output.step,
+        num_steps=output.num_steps,
+        image=meta,
+    )
+    return result, payload
+
+
+def output_from_frames(result: Result, extra: Sequence[zmq.Frame]) -> RequestOutput:
+    """Rebuild the output of ``result``; ``extra`` are the frames after its header."""
+    if len(extra) != (result.image is not None):
+        raise StageProtocolError(
+            f"a Result {'with' if result.image else 'without'} an image came with "
+            f"{len(extra)} extra frames"
+        )
+    images = None if result.image is None else tensor_from_frame(result.image, extra[0])
+    metrics = (
+        None if result.metrics is None else RequestMetrics(**msgspec.structs.asdict(result.metrics))
+    )
+    return RequestOutput(
+        request_id=result.request_id,
+        status=result.status,
+        finished=result.finished,
+        image_batch=images,
+        seed=result.seed,
+        error=result.error,
+        metrics=metrics,
+        step=result.step,
+        num_steps=result.num_steps,
+    )
+
+
+# -- errors ----------------------------------------------------------------------------
+
+#: Exceptions rebuilt with their own class on the client; any other becomes a
+#: :class:`~diffusion_runtime.DiffusionRuntimeError` that names the remote class.
+_REBUILT: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        errors.DuplicateRequestError,
+        errors.QueueFullError,
+        errors.EngineClosedError,
+        errors.EngineDeadError,
+        errors.RPCError,
+        errors.PipelineContractError,
+        ValueError,
+        TypeError,
+        KeyError,
+        TimeoutError,
+    )
+}
+PROTOCOL_ERROR = "ProtocolError"
+
+
+def error_to_msg(
+    exc: BaseException, request_id: str | None = None, call_id: int | None = None
+) -> Error:
+    """The :class:`Error` reply for ``exc``, tied to a request or a call."""
+    field_error = None
+    if isinstance(exc, errors.InvalidFieldError):
+        value = exc.value
+        if not isinstance(value, (str, int, float, bool, type(None))):
+            value = repr(value)
+        field_error = FieldErrorMsg(exc.owner, exc.field, exc.rule, value)
+    kind = PROTOCOL_ERROR if isinstance(exc, StageProtocolError) else type(exc).__name__
+    message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+    return Error(kind, str(message), request_id, call_id, field_error)
+
+
+def error_from_msg(msg: Error) -> Exception:
+    """The exception an :class:`Error` reply stands for, to raise on the client."""
+    if msg.field_error is not None:
+        f = msg.field_error
+        return errors.InvalidFieldError(f.owner, f.field, f.rule, f.value)
+    if msg.kind == PROTOCOL_ERROR:
+        return StageProtocolError(msg.message)
+    cls = _REBUILT.get(msg.kind)
+    if cls is None:
+        return errors.DiffusionRuntimeError(f"{msg.kind}: {msg.message}")
+    return cls(msg.message)

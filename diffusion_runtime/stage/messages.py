@@ -1,0 +1,220 @@
+"""What crosses the stage's sockets: msgspec structs, encoded as msgpack, never pickled.
+
+Each direction has one tagged union (the tag is the class name, in field
+``type``), so one decoder reads every message of that direction and rejects
+unknown tags and unknown fields. A message is one msgpack frame; a
+:class:`Result` that carries images is followed by one more frame holding the
+tensor's raw bytes, laid out as its :class:`TensorMeta` says.
+
+Client → stage (:data:`ToStage`): :class:`AddRequest`, :class:`AddBatchRequest`,
+:class:`Abort`, :class:`CollectiveRPC`, :class:`StatusQuery`, :class:`Shutdown`.
+Stage → client (:data:`FromStage`): :class:`Ready` or :class:`StartFailed` once,
+then :class:`Admitted`, :class:`Result`, :class:`Error`, :class:`RPCResult`,
+:class:`Status`, and :class:`StageDead` last if the engine dies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from diffusion_runtime.fsm import RequestStatus
+
+
+class _Message(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
+    """Base of every message: tagged by class name, strict about fields."""
+
+
+class _Part(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of the untagged structs nested in messages."""
+
+
+# -- nested parts ----------------------------------------------------------------------
+
+
+class SamplingParamsMsg(_Part, frozen=True):
+    """The fields of :class:`~diffusion_runtime.SamplingParams`; the stage
+    validates them again by building one."""
+
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int | None
+    num_outputs_per_prompt: int
+    height: int | None
+    width: int | None
+    extra_args: dict[str, Any]
+
+
+class MetricsMsg(_Part, frozen=True):
+    queue_time_s: float
+    execution_time_s: float
+    total_time_s: float
+
+
+class TensorMeta(_Part, frozen=True):
+    """The layout of the raw tensor bytes in the frame after the header: C order."""
+
+    dtype: str
+    shape: list[int]
+
+
+class FieldErrorMsg(_Part, frozen=True):
+    """An :class:`~diffusion_runtime.InvalidFieldError`'s parts; ``value`` is the
+    value itself when msgpack can carry it, else its ``repr``."""
+
+    owner: str
+    field: str
+    rule: str
+    value: Any
+
+
+# -- client → stage --------------------------------------------------------------------
+
+
+class AddRequest(_Message, frozen=True):
+    request_id: str
+    prompt: Any
+    params: SamplingParamsMsg
+
+
+class AddBatchRequest(_Message, frozen=True):
+    """Several prompts under one request id, answered by one merged :class:`Result`."""
+
+    request_id: str
+    prompts: list[Any]
+    params: SamplingParamsMsg
+
+
+class Abort(_Message, frozen=True):
+    request_ids: list[str]
+    reason: str
+
+
+class CollectiveRPC(_Message, frozen=True):
+    call_id: int
+    method: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    timeout: float | None
+    unique_reply_rank: int | None
+
+
+class StatusQuery(_Message, frozen=True):
+    call_id: int
+
+
+class Shutdown(_Message, frozen=True):
+    pass
+
+
+ToStage = AddRequest | AddBatchRequest | Abort | CollectiveRPC | StatusQuery | Shutdown
+
+
+# -- stage → client --------------------------------------------------------------------
+
+
+class Ready(_Message, frozen=True):
+    """The engine is built and warmed up; requests go to ``request_endpoint``."""
+
+    pid: int
+    request_endpoint: str
+    rpc_methods: list[str]
+
+
+class StartFailed(_Message, frozen=True):
+    """The engine could not be built; the process exits right after."""
+
+    error: str
+    traceback: str
+
+
+class Admitted(_Message, frozen=True):
+    request_id: str
+
+
+class Result(_Message, frozen=True):
+    """One :class:`~diffusion_runtime.RequestOutput`; ``image`` describes the next frame."""
+
+    request_id: str
+    status: RequestStatus
+    finished: bool
+    seed: int
+    error: str | None
+    metrics: MetricsMsg | None
+    step: int | None
+    num_steps: int | None
+    image: TensorMeta | None
+
+
+class Error(_Message, frozen=True):
+    """A refused message, tied to the request or call it names.
+
+    ``kind`` is the exception's class name (``ProtocolError`` for a message
+    the stage could not read).
+    """
+
+    kind: str
+    message: str
+    request_id: str | None = None
+    call_id: int | None = None
+    field_error: FieldErrorMsg | None = None
+
+
+class RPCResult(_Message, frozen=True):
+    call_id: int
+    value: Any
+
+
+class Status(_Message, frozen=True):
+    call_id: int
+    healthy: bool
+    error: str | None
+    queue_length: int
+
+
+class StageDead(_Message, frozen=True):
+    """The sentinel: the engine is dead, the stage exits; every pending call fails."""
+
+    reason: str
+
+
+FromStage = Ready | StartFailed | Admitted | Result | Error | RPCResult | Status | StageDead
+
+
+# -- encoding --------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_to_stage = msgspec.msgpack.Decoder(ToStage)
+_from_stage = msgspec.msgpack.Decoder(FromStage)
+
+
+def encode(message: _Message) -> bytes:
+    """msgpack bytes of ``message``; ``TypeError`` if a field holds what msgpack cannot."""
+    return _encoder.encode(message)
+
+
+def decode_to_stage(data: bytes | memoryview) -> ToStage:
+    """Decode a client message; ``msgspec.DecodeError`` if it is not one."""
+    return _to_stage.decode(data)
+
+
+def decode_from_stage(data: bytes | memoryview) -> FromStage:
+    """Decode a stage message; ``msgspec.DecodeError`` if it is not one."""
+    return _from_stage.decode(data)
+
+
+def salvage_ids(data: bytes | memoryview) -> tuple[str | None, int | None]:
+    """The ``request_id`` and ``call_id`` of a message that failed to decode, if readable."""
+    try:
+        loose = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None, None
+    if not isinstance(loose, dict):
+        return None, None
+    request_id = loose.get("request_id")
+    call_id = loose.get("call_id")
+    return (
+        request_id if isinstance(request_id, str) else None,
+        call_id if isinstance(call_id, int) and not isinstance(call_id, bool) else None,
+    )
