@@ -89,7 +89,10 @@ class EngineConfig:
     ``preview_interval`` steps. ``init_distributed`` joins the worker processes
     in a ``torch.distributed`` group; ``worker_start_timeout_s`` bounds their
     start-up and ``shutdown_grace_s`` how long they get to stop before being killed.
-    ``trace_path`` writes every event as JSON lines; ``audit`` checks the
+    ``intra_op_threads`` is torch's thread count in the thread that runs the
+    pipeline (default: the count torch has where the worker is built); small
+    models on few cores often run faster with 1. ``trace_path`` writes every
+    event as JSON lines; ``audit`` checks the
     invariants online and, on a violation, logs it (``"report"``) or fails the
     engine (``"raise"``).
     """
@@ -118,6 +121,9 @@ class EngineConfig:
         default=300.0, validator=finite_in_range(0.1, 86_400.0)
     )
     shutdown_grace_s: float = attrs.field(default=5.0, validator=finite_in_range(0.0, 3_600.0))
+    intra_op_threads: int | None = attrs.field(
+        default=None, validator=int_in_range(1, 1024, optional=True)
+    )
     trace_path: str | None = attrs.field(default=None, validator=_is_optional_path)
     audit: str = attrs.field(default="off", validator=one_of(*AUDIT_MODES))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from diffusion_runtime.config import EngineConfig
@@ -28,6 +29,7 @@ class UniProcExecutor(DiffusionExecutor):
                 f"got {config.num_workers}"
             )
         self._worker: Worker | None = Worker(config, rank=0)
+        self._bound_thread = threading.get_ident()
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         result: RunnerOutput = self._call("execute_model", (scheduler_output,), {})
@@ -59,6 +61,9 @@ class UniProcExecutor(DiffusionExecutor):
         worker = self._worker
         if worker is None:
             raise EngineDeadError("the executor was shut down")
+        if self._bound_thread != threading.get_ident():
+            worker.bind_thread()
+            self._bound_thread = threading.get_ident()
         try:
             return worker.call(method, *args, **kwargs)
         except DeviceFault as exc:

@@ -69,6 +69,8 @@ class Worker:
         self.device = worker_device(config, rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.intra_op_threads = config.intra_op_threads or torch.get_num_threads()
+        self.bind_thread()
         self.pipeline = build_pipeline(config.pipeline, self.device, config.pipeline_kwargs)
         self._methods: dict[str, Callable[..., Any]] = {}
         try:
@@ -84,6 +86,15 @@ class Worker:
         except BaseException:
             self._close_pipeline()
             raise
+
+    def bind_thread(self) -> None:
+        """Give the calling thread the worker's torch thread count.
+
+        torch's intra-op thread count is per thread: a thread that did not set
+        it (such as the engine's loop thread) runs with a default that was
+        measured up to 1.8x slower here.
+        """
+        torch.set_num_threads(self.intra_op_threads)
 
     # -- dispatch ----------------------------------------------------------------------
 
