@@ -110,12 +110,13 @@ class DiffusionEngine:
         self.machine: RequestMachine[Request] = RequestMachine()
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
-        self._aborts: deque[tuple[str, str]] = deque()
+        self._aborts: deque[tuple[Request, str]] = deque()
         self._control: deque[_ControlCall] = deque()
         self._streams: dict[str, AsyncStream] = {}
         self._pending_wakes: dict[asyncio.AbstractEventLoop, list[AsyncStream]] = {}
         self._closed = False
         self._paused = False
+        self._lock_owner: int | None = None
         self._close_lock = threading.Lock()
         self._fatal: EngineDeadError | None = None
         self._id_prefix = secrets.token_hex(4)
@@ -182,8 +183,9 @@ class DiffusionEngine:
 
         ``prompts`` is a list or tuple of prompts; anything else is one prompt.
         ``params`` is one :class:`SamplingParams` for all prompts or one per
-        prompt. A request that fails or is aborted yields an output saying why;
-        the call raises only when the engine closes or dies meanwhile.
+        prompt. A request that fails or is aborted yields an output saying why.
+        The call raises for bad input (before anything is admitted), a full
+        queue, ``timeout`` expiry, and the engine closing or dying meanwhile.
         """
         prompt_list, params_list = prompts_and_params(prompts, params)
         waiter = GenerateWaiter()
@@ -254,13 +256,16 @@ class DiffusionEngine:
     def abort(
         self, request_ids: str | Iterable[str], reason: str = "aborted by the caller"
     ) -> None:
-        """Abort requests at the next tick. Unknown or already finished ids are ignored.
+        """Abort requests at the next tick. Ids unknown or finished at the time of
+        the call are ignored (a later request that reuses the id is not aborted).
 
         An aborted request's stream still ends with its final output (aborted,
         or completed if the request won the race).
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self._aborts.extend((rid, reason) for rid in ids)
+        with self._lock:  # resolve now: a later request reusing an id is not the target
+            targets = [self.scheduler.get_request(rid) for rid in ids]
+        self._aborts.extend((r, reason) for r in targets if r is not None)
         self._wakeup.set()
 
     # -- control -------------------------------------------------------------------------
@@ -289,9 +294,9 @@ class DiffusionEngine:
             raise RPCError(f"collective_rpc {method!r} timed out after {timeout} s") from None
 
     def pause(self) -> None:
-        """Stop starting waves (or steps) after the current one; requests, aborts
-        and RPCs keep queueing. For maintenance, and for tests that need
-        requests to pile up."""
+        """Stop starting waves (or steps) after the current one; requests and
+        aborts queue up, while RPCs and snapshots still run. For maintenance,
+        and for tests that need requests to pile up."""
         self._paused = True
 
     def resume(self) -> None:
@@ -328,6 +333,7 @@ class DiffusionEngine:
                     unclaimed_stream_ids=frozenset(self._streams),
                 )
 
+        self._refuse_reentry("snapshot()")
         if self._closed or self._fatal is not None:
             return take([])
         snapshot: EngineSnapshot = self._between_ticks(
@@ -347,15 +353,26 @@ class DiffusionEngine:
                 self._closed = True
             self._wakeup.set()
             self._thread.join()
-            error = EngineClosedError("the engine was closed")
-            self._end_all(error, Trigger.ABORT)
-            if self._fatal is None and not self._executor.is_failed:
-                with self._lock:
-                    release = self._trace_wave(self.scheduler.schedule_release())
-                if release is not None:
-                    self._release_on_workers(release)
-            self._executor.shutdown()
-            self._end_trace(EngineEvent("closed", time.monotonic()))
+            # Whatever fails on the way, the executor is shut down and the trace closed.
+            try:
+                self._end_all(EngineClosedError("the engine was closed"), Trigger.ABORT)
+                self._release_everything_on_workers()
+            finally:
+                self._executor.shutdown()
+                if self._fatal is None:
+                    self._end_trace(EngineEvent("closed", time.monotonic()))
+
+    def _release_everything_on_workers(self) -> None:
+        """Let the workers drop the state of requests ended by close (best effort)."""
+        if self._fatal is not None or self._executor.is_failed:
+            return
+        with self._lock:
+            release = self._trace_wave(self.scheduler.schedule_release())
+        if release is not None:
+            try:
+                self._release_on_workers(release)
+            except EngineDeadError:
+                logger.warning("the executor died while closing")
 
     def _start_trace(self) -> None:
         config = self.config
@@ -388,13 +405,12 @@ class DiffusionEngine:
 
     def _between_ticks(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run ``fn`` on the loop thread between two ticks and return its result."""
-        self._check_open()
+        self._refuse_reentry("this call")
         call = _ControlCall(concurrent.futures.Future(), fn)
-        if threading.current_thread() is self._thread:
-            self._run_control(call)
-        else:
+        with self._lock:  # close and death drain the queue under this lock
+            self._check_open()
             self._control.append(call)
-            self._wakeup.set()
+        self._wakeup.set()
         try:
             return call.future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -428,19 +444,30 @@ class DiffusionEngine:
 
     def _admit(self, requests: list[Request]) -> None:
         """Admit all of ``requests`` or none of them."""
+        self._refuse_reentry("admission")
         with self._lock:
-            self._check_open()
-            admitted = 0
+            self._lock_owner = threading.get_ident()  # admitted hooks run under the lock
             try:
-                for request in requests:
-                    self.scheduler.add_request(request)
-                    admitted += 1
-            except BaseException:
-                for request in requests[:admitted]:
-                    request.sink = None
-                    self.scheduler.abort_request(request.request_id, "admission failed")
-                raise
+                self._check_open()
+                admitted = 0
+                try:
+                    for request in requests:
+                        self.scheduler.add_request(request)
+                        admitted += 1
+                except BaseException:
+                    for request in requests[:admitted]:
+                        request.sink = None
+                        self.scheduler.abort_request(request.request_id, "admission failed")
+                    raise
+            finally:
+                self._lock_owner = None
         self._wakeup.set()
+
+    def _refuse_reentry(self, what: str) -> None:
+        """Hooks run on the loop thread or under the admission lock: calling back
+        into the engine from there would deadlock, so it is an error."""
+        if threading.current_thread() is self._thread or self._lock_owner == threading.get_ident():
+            raise RuntimeError(f"{what} cannot be made from a lifecycle hook or the engine loop")
 
     def _check_open(self) -> None:
         if self._fatal is not None:
@@ -471,8 +498,12 @@ class DiffusionEngine:
                 error = EngineDeadError(f"the engine loop crashed: {describe_error(exc)}")
                 error.__cause__ = exc
             self._fatal = error
-            self._end_all(error, Trigger.FAIL)
-            self._end_trace(EngineEvent("dead", time.monotonic(), str(error)))
+            try:
+                self._end_all(error, Trigger.FAIL)
+            except Exception:  # the loop is ending: report, never escape the thread
+                logger.exception("a hook failed while the engine's requests were failed")
+            finally:
+                self._end_trace(EngineEvent("dead", time.monotonic(), str(error)))
 
     def _tick(self) -> bool:
         """One pass of the control loop; False once the engine is closing."""
@@ -489,9 +520,10 @@ class DiffusionEngine:
                 output = self._trace_wave(self.scheduler.schedule(time.monotonic()))
         if output is None:
             self._flush_wakes()
-            wake_at = self.scheduler.next_wakeup()
+            wake_at = None if self._paused else self.scheduler.next_wakeup()
             self._wakeup.wait(None if wake_at is None else max(0.0, wake_at - time.monotonic()))
             return True
+        self._flush_wakes()  # outputs of requests aborted before the wave need not wait for it
         result = self._execute(output)
         with self._lock:
             self._trace_runner(result)
@@ -516,6 +548,8 @@ class DiffusionEngine:
             raise
         except Exception as exc:
             logger.exception("executor failed on wave %d", output.wave_id)
+            with self._lock:  # the workers may not have seen them: tell them again next time
+                self.scheduler.requeue_finished_ids(output.finished_ids)
             return RunnerOutput.failed(output.wave_id, output.scheduled_ids, describe_error(exc))
 
     def _release_on_workers(self, release: SchedulerOutput) -> None:
@@ -578,10 +612,11 @@ class DiffusionEngine:
         """Apply queued aborts; True if any of them ended a running request."""
         aborted_running = False
         while self._aborts:
-            request_id, reason = self._aborts.popleft()
-            request = self.scheduler.get_request(request_id)
-            running = request is not None and request.state is RequestStatus.RUNNING
-            if self.scheduler.abort_request(request_id, reason) and running:
+            request, reason = self._aborts.popleft()
+            if self.scheduler.get_request(request.request_id) is not request:
+                continue  # finished meanwhile (its id may even be in use again)
+            running = request.state is RequestStatus.RUNNING
+            if self.machine.abort_if_active(request, reason) and running:
                 aborted_running = True
         return aborted_running
 
@@ -597,16 +632,18 @@ class DiffusionEngine:
     def _end_all(self, error: EngineClosedError | EngineDeadError, trigger: Trigger) -> None:
         """End every active request, pending RPC and open stream with ``error``."""
         with self._lock:
-            for request in self.scheduler.requests.values():
-                if request.sink is not None:
-                    request.sink.fail(error)
-                    request.sink = None
-            self.scheduler.finish_all(trigger, str(error))
-        while self._control:
-            call = self._control.popleft()
-            if call.future.set_running_or_notify_cancel():
-                call.future.set_exception(error)
-        self._flush_wakes()
+            try:
+                for request in self.scheduler.requests.values():
+                    if request.sink is not None:
+                        request.sink.fail(error)
+                        request.sink = None
+                self.scheduler.finish_all(trigger, str(error))
+            finally:
+                while self._control:
+                    call = self._control.popleft()
+                    if call.future.set_running_or_notify_cancel():
+                        call.future.set_exception(error)
+                self._flush_wakes()
 
     # -- output delivery (terminal hooks) --------------------------------------------------
 

@@ -467,3 +467,48 @@ def test_a_subscriber_joining_mid_wave_sees_no_result_without_its_wave(
     engine.generate(["after"], FAST)
     engine.close()
     assert auditor.finish() == []
+
+
+def test_a_hook_calling_back_into_the_engine_fails_it_instead_of_deadlocking(
+    make_engine: Build,
+) -> None:
+    from diffusion_runtime.fsm import Hook
+
+    engine = make_engine()
+    engine.machine.add_hook(Hook.TERMINAL, lambda request, event: engine.snapshot())
+    # The first request's output is delivered before the broken hook runs; the
+    # loop then dies, so the next call fails (at admission or while waiting).
+    engine.generate(["x"], FAST, timeout=30)
+    with pytest.raises(EngineDeadError, match="cannot be made from a lifecycle hook"):
+        engine.generate(["y"], FAST, timeout=30)
+
+
+def test_an_abort_never_reaches_a_later_request_reusing_the_id(make_engine: Build) -> None:
+    engine = make_engine()
+
+    async def scenario() -> RequestOutput:
+        first = await engine.add_request("a", FAST, request_id="same")
+        assert (await collect(engine, first))[-1].ok
+        engine.pause()
+        engine.abort("same")  # finished: nothing to abort
+        await engine.add_request("b", FAST, request_id="same")
+        engine.resume()
+        return (await collect(engine, "same"))[-1]
+
+    assert asyncio.run(scenario()).ok
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_auditor_stays_quiet_when_a_dead_engine_is_closed(
+    make_engine: Build, faults: FaultInjectingPipeline, mode: str
+) -> None:
+    from diffusion_runtime.fsm.audit import Auditor
+
+    engine = make_engine(factory_of(faults), max_num_seqs=2, execution_mode=mode)
+    auditor = Auditor()
+    engine.machine.subscribe(auditor.feed)
+    with pytest.raises(EngineDeadError):
+        engine.generate(["a", "b", "device-fault"], SamplingParams(num_inference_steps=3))
+    engine.close()
+    assert auditor.dead and not auditor.complete
+    assert [v.describe() for v in auditor.finish()] == []

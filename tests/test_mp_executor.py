@@ -399,12 +399,14 @@ def test_a_request_released_while_its_output_materialises_is_never_copied() -> N
         assert set(result.images) == {"a"} and result.images["a"].shape == (1, 3, 160, 160)
         assert executor.held_request_ids() == frozenset()
         # A wave whose every request was released is handed back without a copy;
-        # if a lease leaked, each wave would need a new segment.
+        # if a lease leaked, each of the five waves would need a new segment. A
+        # segment travels back to rank 0 asynchronously, so a wave may still
+        # find the pool empty and make a second one, never more.
         for wave_id in range(2, 7):
             batch = wave(wave_id, {f"r{wave_id}": "x"}, LARGE)
             assert run_and_release(batch, f"r{wave_id}").images == {}
         assert executor.held_request_ids() == frozenset()
-        assert len(segment_names(executor.segment_prefix)) == 1
+        assert len(segment_names(executor.segment_prefix)) <= 2
     finally:
         executor.let_through.set()
         executor.shutdown()

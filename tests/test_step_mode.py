@@ -301,3 +301,17 @@ def test_scheduler_completes_only_with_images_at_the_last_step() -> None:
     request = scheduler.running["r"]
     scheduler.update_from_output(nxt, RunnerOutput(nxt.wave_id, progress={"r": (2, 2)}))
     assert request.state is S.FINISHED_ERROR
+
+
+def test_input_batch_forgets_released_states_at_once() -> None:
+    from diffusion_runtime.runner.input_batch import InputBatch
+    from diffusion_runtime.runner.protocols import PipelineRequest, StepRequestState
+
+    request = PipelineRequest("r", "p", steps(1), 0, torch.device("cpu"))
+    state = StepRequestState(request, torch.zeros(1), [1])
+    batch = InputBatch()
+    assert batch.update(("r",), {"r": state})
+    batch.cache["stacked"] = torch.zeros(4)
+    assert not batch.update(("r",), {"r": state}), "unchanged: reused"
+    batch.invalidate()
+    assert len(batch) == 0 and batch.cache == {} and batch.request_ids == ()

@@ -238,6 +238,10 @@ class TerminalCleanup:
             return self._resource(event)
         if isinstance(event, DeliveryEvent):
             return self._delivery(event)
+        if isinstance(event, EngineEvent) and event.state == "dead":
+            # The workers' state died with them or went with the executor's shutdown.
+            self.held.clear()
+            self.resources.clear()
         return []
 
     def _runner(self, event: RunnerEvent) -> list[Violation]:
@@ -476,14 +480,18 @@ class Auditor:
         self.on_violation = on_violation
         self.violations: list[Violation] = []
         self.complete = False
+        self.dead = False
         self.events_seen = 0
         self.saw_start = False
+        self._finished = False
+        self._waves_in_view: set[int] = set()
         self._admitted_in_view: set[str] = set()
 
     def feed(self, event: TraceEvent) -> None:
         self.events_seen += 1
         if isinstance(event, EngineEvent):
-            self.complete = event.state == "closed"
+            self.dead = self.dead or event.state == "dead"
+            self.complete = event.state == "closed" and not self.dead
             self.saw_start = self.saw_start or event.state == "started"
         in_view = event if self.saw_start else self._in_view(event)
         if in_view is None:
@@ -502,6 +510,7 @@ class Auditor:
         if isinstance(event, (DeliveryEvent, ResourceEvent)):
             return event if event.request_id in known else None
         if isinstance(event, WaveEvent):
+            self._waves_in_view.add(event.wave_id)
             return attrs.evolve(
                 event,
                 new_ids=tuple(r for r in event.new_ids if r in known),
@@ -509,6 +518,8 @@ class Auditor:
                 finished_ids=tuple(r for r in event.finished_ids if r in known),
             )
         if isinstance(event, RunnerEvent):
+            if event.wave_id not in self._waves_in_view:
+                return None  # a wave scheduled before this auditor joined
             return attrs.evolve(
                 event,
                 executed=tuple(r for r in event.executed if r in known),
@@ -521,7 +532,10 @@ class Auditor:
         return event
 
     def finish(self) -> list[Violation]:
-        """Run the end-of-trace checks and return every violation found."""
+        """Run the end-of-trace checks (once) and return every violation found."""
+        if self._finished:
+            return self.violations
+        self._finished = True
         for checker in self.checkers:
             for violation in checker.finish(self.complete):
                 self._record(violation)

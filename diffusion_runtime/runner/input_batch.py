@@ -25,7 +25,11 @@ class InputBatch(Sequence[StepRequestState]):
         self.cache: dict[str, Any] = {}
 
     def invalidate(self) -> None:
+        """Forget the batch: its states and cached stacks go now, not at the next step."""
         self._valid = False
+        self._ids = ()
+        self._states = []
+        self.cache.clear()
 
     def update(self, request_ids: tuple[str, ...], states: Mapping[str, StepRequestState]) -> bool:
         """Make the batch hold ``request_ids``; True when it had to be rebuilt."""

@@ -59,7 +59,13 @@ class BaseScheduler(abc.ABC):
             )
         self.requests[request.request_id] = request
         self.waiting[request.request_id] = request
-        self.machine.admit(request)
+        try:
+            self.machine.admit(request)
+        except BaseException:
+            if request.state.is_finished:  # its terminal hook already cleaned up
+                raise
+            del self.requests[request.request_id], self.waiting[request.request_id]
+            raise
 
     def batch_key_for(self, params: SamplingParams) -> Hashable:
         """Requests may share a wave only when their keys are equal."""
@@ -77,13 +83,24 @@ class BaseScheduler(abc.ABC):
         self.machine.fire(self.requests[request_id], Trigger.FAIL, wave_id=wave_id, reason=reason)
 
     def preempt_request(self, request_id: str) -> None:
-        """Move a running request back to the head of the waiting queue."""
+        """Move a running request back to the head of the waiting queue; it
+        restarts from its first step when scheduled again."""
         self.machine.fire(self.requests[request_id], Trigger.PREEMPT)
 
     def finish_all(self, trigger: Trigger, reason: str) -> None:
-        """End every active request with ``trigger`` (abort on close, fail on death)."""
+        """End every active request with ``trigger`` (abort on close, fail on death).
+
+        Every request is ended even if a hook raises for one of them; the first
+        error is re-raised at the end.
+        """
+        first_error: BaseException | None = None
         for request in list(self.requests.values()):
-            self.machine.fire(request, trigger, reason=reason)
+            try:
+                self.machine.fire(request, trigger, reason=reason)
+            except BaseException as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
 
     # -- queries -------------------------------------------------------------------
 
@@ -156,6 +173,10 @@ class BaseScheduler(abc.ABC):
             num_waiting=len(self.waiting),
         )
 
+    def requeue_finished_ids(self, request_ids: tuple[str, ...]) -> None:
+        """Report ids as finished again: the output that carried them failed."""
+        self._finished_ids.extend(request_ids)
+
     def schedule_release(self) -> SchedulerOutput | None:
         """An output that runs nothing and only reports finished ids (so workers free state)."""
         return self.build_output([])
@@ -172,6 +193,9 @@ class BaseScheduler(abc.ABC):
         del self.running[request.request_id]
         self.waiting[request.request_id] = request
         self.waiting.move_to_end(request.request_id, last=False)
+        # It starts over when scheduled again: the workers drop what they hold for it.
+        self._finished_ids.append(request.request_id)
+        request.step_index, request.num_steps = 0, None
 
     def _on_terminal(self, request: Request, event: LifecycleEvent) -> None:
         request_id = request.request_id

@@ -22,6 +22,7 @@ import unittest
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import attrs
 import hypothesis.strategies as st
 import torch
 from hypothesis import settings as Settings
@@ -116,13 +117,19 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         """Reusing an id is refused while it is active or its output unread,
         and allowed once it has finished and been read."""
         prompt, params = self.inputs[rid]
+        # Once finished and read, an id stays free; while active it may finish at any time.
         free = rid in self._finished_ids() and rid not in self.unread
         try:
             self.loop.run_until_complete(self.engine.add_request(prompt, params, request_id=rid))
         except DuplicateRequestError:
             assert not free, f"{rid!r} refused after it finished and was read"
             return
-        assert free, f"{rid!r} admitted again while active or unread"
+        # The new lifecycle's admission must follow the old one's terminal event.
+        mine = [e for e in self.lifecycle if e.request_id == rid]
+        newest = max(i for i, e in enumerate(mine) if e.source is None)
+        before = mine[newest - 1] if newest > 0 else None
+        assert before is not None and before.dest.is_finished, f"{rid!r} admitted while active"
+        assert rid not in self.unread, f"{rid!r} admitted again while its output was unread"
         # A new lifecycle under an old id: read the old output, track the new one.
         self.outputs.pop(rid, None)
         self.unread.add(rid)
@@ -227,6 +234,7 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
             if not out.ok:
                 continue
             prompt, params = self.inputs[rid]
+            params = attrs.evolve(params, seed=out.seed)  # the seed the engine used
             [solo] = self.engine.generate([prompt], params, timeout=self.read_timeout_s)
             assert solo.ok, solo.error
             assert solo.image_batch is not None and out.image_batch is not None
