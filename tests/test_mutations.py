@@ -22,7 +22,8 @@ def harness(mode: str) -> type[EngineLifecycleMachine]:
         ),
         prompts=st.sampled_from(["cat", "dog", 7]),
         failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
-        params=sampling_params(steps=(1, 3), outputs=(1, 2)),
+        # Step mode needs requests that stay running long enough to be aborted mid-flight.
+        params=sampling_params(steps=(1, 3) if mode == "request" else (2, 6), outputs=(1, 2)),
     )
     machine.read_timeout_s = 3.0  # a hung stream fails the example instead of the suite
     return machine
