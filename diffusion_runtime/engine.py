@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -61,7 +62,13 @@ from diffusion_runtime.scheduler.output import SchedulerOutput
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
 from diffusion_runtime.scheduler.step_scheduler import StepScheduler
-from diffusion_runtime.streams import AsyncStream, GenerateWaiter, OutputSink, wake_streams
+from diffusion_runtime.streams import (
+    AsyncStream,
+    GenerateWaiter,
+    OutputSink,
+    read_until_final,
+    wake_streams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -239,19 +246,12 @@ class DiffusionEngine:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             raise KeyError(f"no unclaimed output stream for request {request_id!r}")
-        finished = False
-        try:
-            while not finished:
-                output = await stream.get()
-                finished = output.finished
+        outputs = read_until_final(
+            stream, lambda: self.abort(request_id, "the consumer stopped reading")
+        )
+        async with contextlib.aclosing(outputs):  # an early stop aborts now, not at GC
+            async for output in outputs:
                 yield output
-        except (EngineClosedError, EngineDeadError):
-            finished = True
-            raise
-        finally:
-            if not finished:
-                stream.close()
-                self.abort(request_id, "the consumer stopped reading")
 
     def abort(
         self, request_ids: str | Iterable[str], reason: str = "aborted by the caller"

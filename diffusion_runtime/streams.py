@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
+from diffusion_runtime.errors import EngineClosedError, EngineDeadError
 from diffusion_runtime.outputs import RequestOutput
 
 
@@ -75,6 +76,30 @@ class AsyncStream:
         """The consumer is gone: drop what is queued and ignore later pushes."""
         self.closed = True
         self._items.clear()
+
+
+async def read_until_final(
+    stream: AsyncStream, abandon: Callable[[], None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """Yield ``stream``'s outputs until the final one.
+
+    A consumer that stops early (``break``, cancellation) leaves no one to
+    read the rest: the stream is closed and ``abandon()`` (an abort) is called.
+    A stream that fails with the engine's end raises that error instead.
+    """
+    finished = False
+    try:
+        while not finished:
+            output = await stream.get()
+            finished = output.finished
+            yield output
+    except (EngineClosedError, EngineDeadError):
+        finished = True
+        raise
+    finally:
+        if not finished:
+            stream.close()
+            abandon()
 
 
 def wake_streams(streams: list[AsyncStream]) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from diffusion_runtime.bench import summary_us
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.errors import EngineDeadError
@@ -48,14 +49,6 @@ from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
 
 IMAGE_SHAPE = (1, 3, 512, 512)
-
-
-def _summary(samples_s: list[float]) -> dict[str, float]:
-    ordered = sorted(samples_s)
-    return {
-        "median_us": round(statistics.median(ordered) * 1e6, 1),
-        "p90_us": round(ordered[int(0.9 * (len(ordered) - 1))] * 1e6, 1),
-    }
 
 
 def _timed(fn: Callable[[], object], count: int, warmup: int) -> list[float]:
@@ -76,7 +69,7 @@ def control_round_trip(executor: MultiprocExecutor, count: int) -> dict[str, Any
     params = SamplingParams(num_inference_steps=1)
     rpc = _timed(lambda: executor.collective_rpc("check_health", unique_reply_rank=0), count, 50)
     validate = _timed(lambda: executor.validate_request("a prompt", params), count, 50)
-    return {"rpc": _summary(rpc), "validate_request": _summary(validate), "samples": count}
+    return {"rpc": summary_us(rpc), "validate_request": summary_us(validate), "samples": count}
 
 
 # -- one image -------------------------------------------------------------------------
@@ -152,8 +145,8 @@ def image_round_trip(count: int) -> dict[str, Any]:
         "shape": list(IMAGE_SHAPE),
         "dtype": "float32",
         "bytes": nbytes,
-        "shared_memory": _summary(shm),
-        "mp_queue_pickle": _summary(pickled),
+        "shared_memory": summary_us(shm),
+        "mp_queue_pickle": summary_us(pickled),
         "speedup": round(statistics.median(pickled) / statistics.median(shm), 2),
         "samples": count,
     }
@@ -175,7 +168,7 @@ def wave_overhead(count: int) -> dict[str, Any]:
     for backend, cls in (("uni", UniProcExecutor), ("mp", MultiprocExecutor)):
         executor = cls(EngineConfig(pipeline="testing-null", device="cpu"))
         try:
-            results[backend] = _summary(
+            results[backend] = summary_us(
                 _timed(functools.partial(_execute_next, executor, next_wave), count, 50)
             )
         finally:

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import asyncio
-import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +29,7 @@ import msgspec
 import torch
 import zmq
 
+from diffusion_runtime.bench import summary_us
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.fsm import RequestStatus
@@ -40,14 +40,6 @@ from diffusion_runtime.stage.codec import output_from_frames, output_to_frames
 from diffusion_runtime.stage.messages import Result, decode_from_stage, encode
 
 IMAGE_SHAPE = (1, 3, 512, 512)
-
-
-def _summary_us(samples_s: list[float]) -> dict[str, float]:
-    ordered = sorted(samples_s)
-    return {
-        "median_us": round(statistics.median(ordered) * 1e6, 1),
-        "p90_us": round(ordered[int(0.9 * (len(ordered) - 1))] * 1e6, 1),
-    }
 
 
 # -- round trip ------------------------------------------------------------------------
@@ -89,7 +81,7 @@ async def _side_by_side(
         start = time.perf_counter()
         await _through_engine(engine, prompts, params)
         local_s.append((time.perf_counter() - start) / len(prompts))
-    stage, local = _summary_us(stage_s), _summary_us(local_s)
+    stage, local = summary_us(stage_s), summary_us(local_s)
     return {
         "prompts_per_call": len(prompts),
         "stage_per_request": stage,
@@ -180,12 +172,12 @@ def image_costs(count: int) -> dict[str, Any]:
 
     codec = {
         "two_frames": {
-            "encode": _summary_us(_timed(two_frames_encode, count)),
-            "decode": _summary_us(_timed(two_frames_decode, count)),
+            "encode": summary_us(_timed(two_frames_encode, count)),
+            "decode": summary_us(_timed(two_frames_decode, count)),
         },
         "bytes_in_struct": {
-            "encode": _summary_us(_timed(bytes_encode, count)),
-            "decode": _summary_us(_timed(lambda: bytes_decode(encoded), count)),
+            "encode": summary_us(_timed(bytes_encode, count)),
+            "decode": summary_us(_timed(lambda: bytes_decode(encoded), count)),
         },
     }
     assert torch.equal(two_frames_decode(), bytes_decode(encoded))
@@ -211,8 +203,8 @@ def image_costs(count: int) -> dict[str, Any]:
                 return bytes_decode(receiver.recv(copy=False).bytes)
 
             socket = {
-                "two_frames": _summary_us(_timed(two_frames_trip, count)),
-                "bytes_in_struct": _summary_us(_timed(bytes_trip, count)),
+                "two_frames": summary_us(_timed(two_frames_trip, count)),
+                "bytes_in_struct": summary_us(_timed(bytes_trip, count)),
             }
         finally:
             ctx.destroy(linger=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
@@ -50,7 +51,7 @@ from diffusion_runtime.stage.messages import (
 )
 from diffusion_runtime.stage.proc import DEFAULT_MAX_FRAME_BYTES
 from diffusion_runtime.stage.process import DRAIN_S, StageProcess
-from diffusion_runtime.streams import AsyncStream
+from diffusion_runtime.streams import AsyncStream, read_until_final
 
 logger = logging.getLogger(__name__)
 
@@ -190,19 +191,12 @@ class StageClient:
         stream = self._unclaimed.pop(request_id, None)
         if stream is None:
             raise KeyError(f"no unclaimed output stream for request {request_id!r}")
-        finished = False
-        try:
-            while not finished:
-                output = await stream.get()
-                finished = output.finished
+        outputs = read_until_final(
+            stream, lambda: self.abort(request_id, "the consumer stopped reading")
+        )
+        async with contextlib.aclosing(outputs):  # an early stop aborts now, not at GC
+            async for output in outputs:
                 yield output
-        except (EngineClosedError, EngineDeadError):
-            finished = True
-            raise
-        finally:
-            if not finished:
-                stream.close()
-                self.abort(request_id, "the consumer stopped reading")
 
     async def generate(
         self,
