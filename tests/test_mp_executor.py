@@ -26,7 +26,7 @@ import attrs
 import hypothesis.strategies as st
 import pytest
 import torch
-from conftest import engine_threads, factory_of
+from conftest import child_pids, engine_threads, factory_of
 from hypothesis import HealthCheck, settings
 
 from diffusion_runtime import (
@@ -172,23 +172,6 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
-
-
-def child_pids() -> list[int]:
-    """Live children of this process from /proc, except multiprocessing's resource tracker."""
-    me = str(os.getpid())
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path("/proc", entry, "stat").read_text()
-            cmdline = Path("/proc", entry, "cmdline").read_bytes()
-        except OSError:
-            continue
-        if stat.rsplit(")", 1)[1].split()[1] == me and b"resource_tracker" not in cmdline:
-            found.append(int(entry))
-    return found
 
 
 def our_threads() -> list[str]:

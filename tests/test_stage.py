@@ -25,6 +25,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+from conftest import child_pids
 
 from diffusion_runtime import (
     DiffusionEngine,
@@ -145,23 +146,6 @@ async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting for a condition"
         await asyncio.sleep(0.005)
-
-
-def child_pids() -> set[int]:
-    """Live children of this process, except multiprocessing's resource tracker."""
-    me = str(os.getpid())
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = Path("/proc", entry, "stat").read_text()
-            cmdline = Path("/proc", entry, "cmdline").read_bytes()
-        except OSError:
-            continue
-        if status.rsplit(")", 1)[1].split()[1] == me and b"resource_tracker" not in cmdline:
-            found.add(int(entry))
-    return found
 
 
 def stage_dirs() -> set[str]:
