@@ -225,15 +225,9 @@ class DiffusionEngine:
         Outputs are held for the caller until :meth:`stream` reads them, even
         when the request is aborted or finishes first.
         """
-        if request_id is not None and request_id in self._streams:
-            raise DuplicateRequestError(
-                f"request id {request_id!r} is taken: its output has not been read yet"
-            )
         stream = AsyncStream(asyncio.get_running_loop(), self._note_wake)
         request = self._new_request(prompt, params, request_id, stream)
-        self._admit([request])
-        # Outputs that arrive before this line wait in the stream object itself.
-        self._streams[request.request_id] = stream
+        self._admit([request], stream=stream)
         return request.request_id
 
     async def stream(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
@@ -442,13 +436,24 @@ class DiffusionEngine:
             self._last_batch_key = (params, batch_key)
         return Request(request_id, prompt, params, seed, batch_key, sink)
 
-    def _admit(self, requests: list[Request]) -> None:
-        """Admit all of ``requests`` or none of them."""
+    def _admit(self, requests: list[Request], stream: AsyncStream | None = None) -> None:
+        """Admit all of ``requests`` or none of them; register ``stream`` for a single one.
+
+        The id check and the stream's registration happen under one lock, so
+        two callers can never both claim one id.
+        """
         self._refuse_reentry("admission")
         with self._lock:
             self._lock_owner = threading.get_ident()  # admitted hooks run under the lock
             try:
                 self._check_open()
+                if stream is not None:
+                    [request] = requests
+                    if request.request_id in self._streams:
+                        raise DuplicateRequestError(
+                            f"request id {request.request_id!r} is taken: "
+                            "its output has not been read yet"
+                        )
                 admitted = 0
                 try:
                     for request in requests:
@@ -459,6 +464,9 @@ class DiffusionEngine:
                         request.sink = None
                         self.scheduler.abort_request(request.request_id, "admission failed")
                     raise
+                if stream is not None:
+                    # Outputs that come before a reader wait in the stream object.
+                    self._streams[requests[0].request_id] = stream
             finally:
                 self._lock_owner = None
         self._wakeup.set()
