@@ -184,3 +184,19 @@ def test_docs_diagram_is_generated_from_the_machine() -> None:
     assert "```mermaid\n" + mermaid_state_diagram() + "```" in doc, (
         "docs/architecture.md is stale: paste `python -m diffusion_runtime.fsm.diagram`"
     )
+
+
+def test_auditor_memory_of_finished_requests_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from diffusion_runtime.fsm import audit
+
+    monkeypatch.setattr(audit, "RECENT_LIMIT", 3)
+    machine, _ = machine_with_log()
+    auditor = audit.Auditor()
+    machine.subscribe(auditor.feed)
+    for i in range(10):
+        request = admitted(machine, f"r{i}")
+        machine.fire(request, Trigger.ABORT)
+    owner = auditor.checkers[0]
+    assert isinstance(owner, audit.OneLifecycleOwner)
+    assert list(owner.closed) == ["r7", "r8", "r9"] and not owner.open
+    assert auditor.violations == []

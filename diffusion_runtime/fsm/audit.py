@@ -10,8 +10,9 @@ is adding a checker; see ``docs/auditing.md``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import attrs
 
@@ -26,6 +27,26 @@ from diffusion_runtime.fsm.events import (
     WaveEvent,
 )
 from diffusion_runtime.fsm.states import TERMINAL_STATES, RequestStatus
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+#: How many finished requests a checker remembers (an online auditor runs for days).
+RECENT_LIMIT = 100_000
+
+
+class Recent(OrderedDict[K, V]):
+    """A dict that forgets its oldest entries beyond :data:`RECENT_LIMIT`.
+
+    Checkers remember finished requests here, so an auditor's memory stays
+    bounded; a violation about a request finished long ago may go unseen.
+    """
+
+    def __setitem__(self, key: K, value: V) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        if len(self) > RECENT_LIMIT:
+            self.popitem(last=False)
 
 
 @attrs.frozen
@@ -74,7 +95,7 @@ class OneLifecycleOwner:
 
     def __init__(self) -> None:
         self.open: dict[str, LifecycleEvent] = {}
-        self.closed: dict[str, LifecycleEvent] = {}
+        self.closed: Recent[str, LifecycleEvent] = Recent()
 
     def feed(self, event: TraceEvent) -> list[Violation]:
         if not isinstance(event, LifecycleEvent):
@@ -214,17 +235,17 @@ class TerminalCleanup:
     rule = "every terminal path releases runner state, resources and the stream entry"
 
     def __init__(self) -> None:
-        self.terminal: dict[str, LifecycleEvent] = {}
+        self.terminal: Recent[str, LifecycleEvent] = Recent()
         self.held: dict[str, RunnerEvent] = {}
         self.resources: dict[tuple[str, str], ResourceEvent] = {}
-        self.delivered: set[str] = set()
+        self.delivered: Recent[str, None] = Recent()
         self.due_by_wave: dict[int, set[str]] = {}
 
     def feed(self, event: TraceEvent) -> list[Violation]:
         if isinstance(event, LifecycleEvent) and not event.rejected:
             if event.trigger == ADMIT:
                 self.terminal.pop(event.request_id, None)
-                self.delivered.discard(event.request_id)
+                self.delivered.pop(event.request_id, None)
             elif event.dest in TERMINAL_STATES:
                 self.terminal[event.request_id] = event
             return []
@@ -301,7 +322,7 @@ class TerminalCleanup:
             return []
         if rid in self.delivered:
             return [self._violation(rid, "a second final output", event)]
-        self.delivered.add(rid)
+        self.delivered[rid] = None
         if ended is None:
             return [self._violation(rid, "a final output before any terminal state", event)]
         return []
@@ -339,7 +360,7 @@ class HooksNotLifecycles:
     rule = "optional features and components attach at the lifecycle's hooks, never beside it"
 
     def __init__(self) -> None:
-        self.states: dict[str, RequestStatus] = {}
+        self.states: Recent[str, RequestStatus] = Recent()
 
     def feed(self, event: TraceEvent) -> list[Violation]:
         if isinstance(event, LifecycleEvent):
@@ -381,8 +402,8 @@ class ResultsKeepIdentity:
     rule = "every result stays with its request id, independent of batch composition"
 
     def __init__(self) -> None:
-        self.digests: dict[str, DeliveryEvent] = {}
-        self.terminal: dict[str, RequestStatus] = {}
+        self.digests: Recent[str, DeliveryEvent] = Recent()
+        self.terminal: Recent[str, RequestStatus] = Recent()
         self.last_runner: RunnerEvent | None = None
 
     def feed(self, event: TraceEvent) -> list[Violation]:
@@ -485,7 +506,7 @@ class Auditor:
         self.saw_start = False
         self._finished = False
         self._waves_in_view: set[int] = set()
-        self._admitted_in_view: set[str] = set()
+        self._admitted_in_view: Recent[str, None] = Recent()
 
     def feed(self, event: TraceEvent) -> None:
         self.events_seen += 1
@@ -505,7 +526,7 @@ class Auditor:
         known = self._admitted_in_view
         if isinstance(event, LifecycleEvent):
             if event.trigger == ADMIT:
-                known.add(event.request_id)
+                known[event.request_id] = None
             return event if event.request_id in known else None
         if isinstance(event, (DeliveryEvent, ResourceEvent)):
             return event if event.request_id in known else None
