@@ -3,48 +3,34 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from diffusion_runtime.executor.mp.group import WorkerGroup
-from diffusion_runtime.executor.mp.wakeup import Wakeup
+from diffusion_runtime.executor.mp.wakeup import WaitingThread
 
 logger = logging.getLogger(__name__)
 
 
-class DeathMonitor:
+class DeathMonitor(WaitingThread):
     """Reports the first worker death to ``on_death`` and stops the other workers.
 
     A process sentinel becomes readable the moment its process exits, however
     it exits (crash, ``SIGKILL``, the OOM killer), so detection costs no
     polling. The monitor also stops the group when the executor fails for
     another reason (:meth:`stop_workers`), so that never blocks the thread
-    that noticed the failure.
+    that noticed the failure. Closing it means deaths from now on are expected.
     """
 
     def __init__(self, group: WorkerGroup, on_death: Callable[[str], None], grace: float) -> None:
+        super().__init__("diffusion-mp-monitor")
         self._group = group
         self._on_death = on_death
         self._grace = grace
-        self._closing = False
-        self._wakeup = Wakeup()
-        self._thread = threading.Thread(target=self._run, name="diffusion-mp-monitor", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
 
     def stop_workers(self) -> None:
         """Stop the workers from the monitor thread (the executor has failed)."""
         self._wakeup.set()
-
-    def close(self) -> None:
-        """Stop watching (deaths from now on are expected) and wait for the thread."""
-        self._closing = True
-        self._wakeup.set()
-        if self._thread.ident is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        self._wakeup.close()
 
     def _run(self) -> None:
         sentinels = {process.sentinel: rank for rank, process in enumerate(self._group.processes)}

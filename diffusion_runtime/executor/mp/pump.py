@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 
 from diffusion_runtime.executor.mp.messages import FromWorker, loads
-from diffusion_runtime.executor.mp.wakeup import Wakeup
+from diffusion_runtime.executor.mp.wakeup import WaitingThread
 
 logger = logging.getLogger(__name__)
 
 
-class ResultPump:
+class ResultPump(WaitingThread):
     """Decodes each message from the workers and hands it to ``deliver``.
 
     ``deliver`` returns False once nobody is left to deliver to. A worker's
@@ -24,22 +23,9 @@ class ResultPump:
     def __init__(
         self, connections: Sequence[Connection], deliver: Callable[[FromWorker], bool]
     ) -> None:
+        super().__init__("diffusion-mp-results")
         self._connections = list(connections)
         self._deliver = deliver
-        self._wakeup = Wakeup()
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="diffusion-mp-results", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        """Stop the thread and wait for it (unless called from it)."""
-        self._closing = True
-        self._wakeup.set()
-        if self._thread.ident is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        self._wakeup.close()
 
     def _run(self) -> None:
         wakeup = self._wakeup.fileno()
