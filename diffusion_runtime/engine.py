@@ -34,12 +34,14 @@ import attrs
 import torch
 
 from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import (
     DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
     InvalidFieldError,
     RPCError,
+    describe_error,
 )
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.executor.selection import resolve_executor_class
@@ -48,8 +50,6 @@ from diffusion_runtime.fsm.audit import Auditor, InvariantViolation, Violation
 from diffusion_runtime.fsm.events import DeliveryEvent, EngineEvent, RunnerEvent, WaveEvent
 from diffusion_runtime.fsm.trace import JsonlTraceWriter
 from diffusion_runtime.outputs import RequestMetrics, RequestOutput
-from diffusion_runtime.runner.model_runner import describe_error
-from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.runner.worker import Worker
 from diffusion_runtime.sampling_params import (
     MAX_SEED,
@@ -58,7 +58,6 @@ from diffusion_runtime.sampling_params import (
     prompts_and_params,
 )
 from diffusion_runtime.scheduler.base import BaseScheduler
-from diffusion_runtime.scheduler.output import SchedulerOutput
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
 from diffusion_runtime.scheduler.step_scheduler import StepScheduler

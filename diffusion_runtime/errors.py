@@ -51,3 +51,8 @@ class RPCError(DiffusionRuntimeError):
 
 class PipelineContractError(DiffusionRuntimeError):
     """A pipeline lacks what the configured execution mode needs."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """How an exception is reported to a caller in one line: its type and message."""
+    return f"{type(exc).__name__}: {exc}"

@@ -32,7 +32,7 @@ from diffusion_runtime.pipelines.diffusers import (
     UnsupportedPipelineError,
     from_pretrained_dir,
 )
-from diffusion_runtime.runner.protocols import PipelineRequest, StepRequestState
+from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
 from diffusion_runtime.testing.harness import lifecycle_machine
 from diffusion_runtime.testing.strategies import sampling_params
 

@@ -12,7 +12,7 @@ import torch
 from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.pipelines.digits import DigitClassifier, DigitsPipeline, recognition_rate
 from diffusion_runtime.pipelines.digits.train import main as train_main
-from diffusion_runtime.runner.protocols import PipelineRequest, StepPipeline, StepRequestState
+from diffusion_runtime.pipelines.protocols import PipelineRequest, StepPipeline, StepRequestState
 from diffusion_runtime.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

@@ -25,7 +25,7 @@ from diffusion_runtime import (
     SamplingParams,
 )
 from diffusion_runtime.executor import UniProcExecutor
-from diffusion_runtime.runner.protocols import PipelineRequest
+from diffusion_runtime.pipelines.protocols import PipelineRequest
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline, SeededNoisePipeline
 
 S = RequestStatus

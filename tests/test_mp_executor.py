@@ -39,11 +39,11 @@ from diffusion_runtime import (
     SamplingParams,
     register_pipeline,
 )
+from diffusion_runtime.contracts import NewRequestData, SchedulerOutput
 from diffusion_runtime.executor.mp import MultiprocExecutor, WorkerStartError
 from diffusion_runtime.executor.mp.messages import ComputeDone, FromWorker, OutputReady
 from diffusion_runtime.executor.mp.segments import SEGMENT_PREFIX, segment_names
-from diffusion_runtime.runner.protocols import PipelineRequest, StepRequestState
-from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
+from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
 from diffusion_runtime.testing.harness import lifecycle_test_case
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline, SeededNoisePipeline
 
@@ -496,7 +496,7 @@ import os
 from diffusion_runtime import EngineConfig, SamplingParams
 from diffusion_runtime.executor.mp import MultiprocExecutor
 from diffusion_runtime.executor.mp.segments import segment_names
-from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
+from diffusion_runtime.contracts import NewRequestData, SchedulerOutput
 
 if __name__ == "__main__":
     executor = MultiprocExecutor(EngineConfig(pipeline="testing-noise", device="cpu"))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from diffusion_runtime import DuplicateRequestError, EngineConfig, QueueFullError, SamplingParams
+from diffusion_runtime.contracts import RunnerOutput
 from diffusion_runtime.fsm import RequestMachine, RequestStatus
-from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.scheduler import Request, RequestScheduler
 
 S = RequestStatus

@@ -39,7 +39,7 @@ from diffusion_runtime import (
     RPCError,
     SamplingParams,
 )
-from diffusion_runtime.runner.protocols import PipelineRequest, StepRequestState
+from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
 from diffusion_runtime.stage import StageClient, StageStartError
 from diffusion_runtime.stage.endpoints import bind
 from diffusion_runtime.stage.messages import (

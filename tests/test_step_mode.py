@@ -19,8 +19,8 @@ from diffusion_runtime import (
     RequestStatus,
     SamplingParams,
 )
+from diffusion_runtime.contracts import RunnerOutput
 from diffusion_runtime.fsm import RequestMachine
-from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.scheduler import Request
 from diffusion_runtime.scheduler.step_scheduler import StepScheduler
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline
@@ -304,8 +304,8 @@ def test_scheduler_completes_only_with_images_at_the_last_step() -> None:
 
 
 def test_input_batch_forgets_released_states_at_once() -> None:
+    from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
     from diffusion_runtime.runner.input_batch import InputBatch
-    from diffusion_runtime.runner.protocols import PipelineRequest, StepRequestState
 
     request = PipelineRequest("r", "p", steps(1), 0, torch.device("cpu"))
     state = StepRequestState(request, torch.zeros(1), [1])

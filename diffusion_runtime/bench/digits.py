@@ -18,7 +18,7 @@ import torch
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.pipelines.digits import DigitsPipeline
-from diffusion_runtime.runner.protocols import PipelineRequest
+from diffusion_runtime.pipelines.protocols import PipelineRequest
 from diffusion_runtime.sampling_params import SamplingParams
 
 

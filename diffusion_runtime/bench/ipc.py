@@ -37,6 +37,7 @@ import torch
 
 from diffusion_runtime.bench import summary_us
 from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.errors import EngineDeadError
 from diffusion_runtime.executor.base import DiffusionExecutor
@@ -44,9 +45,7 @@ from diffusion_runtime.executor.mp import MultiprocExecutor
 from diffusion_runtime.executor.mp.messages import OutputReady, ReleaseSegment, dumps, loads
 from diffusion_runtime.executor.mp.segments import SEGMENT_PREFIX, OutputArena, OutputReader
 from diffusion_runtime.executor.uni import UniProcExecutor
-from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.sampling_params import SamplingParams
-from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
 
 IMAGE_SHAPE = (1, 3, 512, 512)
 

@@ -9,10 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import EngineDeadError
-from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.sampling_params import SamplingParams
-from diffusion_runtime.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

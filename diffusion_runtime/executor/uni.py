@@ -6,12 +6,11 @@ import threading
 from typing import Any
 
 from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import DeviceFault, EngineDeadError, RPCError
 from diffusion_runtime.executor.base import DiffusionExecutor
-from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.runner.worker import Worker
 from diffusion_runtime.sampling_params import SamplingParams
-from diffusion_runtime.scheduler.output import SchedulerOutput
 
 
 class UniProcExecutor(DiffusionExecutor):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.metadata
 from collections.abc import Callable
 from typing import Any
 
@@ -14,10 +16,20 @@ PipelineFactory = Callable[..., Any]
 BUILTIN_PIPELINES: dict[str, str] = {
     "digits": "diffusion_runtime.pipelines.digits:DigitsPipeline",
     "diffusers": "diffusion_runtime.pipelines.diffusers:from_pretrained_dir",
-    "testing-noise": "diffusion_runtime.testing.pipelines:SeededNoisePipeline",
-    "testing-faults": "diffusion_runtime.testing.pipelines:FaultInjectingPipeline",
-    "testing-null": "diffusion_runtime.testing.pipelines:NullPipeline",
 }
+
+#: Installed packages name their pipelines in this entry-point group (``name = "module:attr"``);
+#: every process, worker processes included, finds them by name without registering anything.
+ENTRY_POINT_GROUP = "diffusion_runtime.pipelines"
+
+
+@functools.cache
+def declared_pipelines() -> dict[str, str]:
+    """Built-in pipelines and those installed packages declare, by name, as import paths."""
+    entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    declared = {ep.name: ep.value for ep in entry_points}
+    return {**declared, **BUILTIN_PIPELINES}
+
 
 _registered: dict[str, PipelineFactory] = {}
 
@@ -28,8 +40,8 @@ def register_pipeline(name: str, factory: PipelineFactory, *, replace: bool = Fa
     Registration is per process: with worker processes, prefer an import path.
     Registering a taken name raises unless ``replace=True``.
     """
-    if name in BUILTIN_PIPELINES:
-        raise ValueError(f"pipeline name {name!r} is taken by a built-in pipeline")
+    if name in declared_pipelines():
+        raise ValueError(f"pipeline name {name!r} is taken by a built-in or installed pipeline")
     if name in _registered and not replace:
         raise ValueError(f"pipeline name {name!r} is already registered; pass replace=True")
     _registered[name] = factory
@@ -37,7 +49,7 @@ def register_pipeline(name: str, factory: PipelineFactory, *, replace: bool = Fa
 
 def is_known_pipeline_name(name: str) -> bool:
     """A registered or built-in name, or something shaped like an import path."""
-    return name in _registered or name in BUILTIN_PIPELINES or ":" in name or "." in name
+    return name in _registered or name in declared_pipelines() or ":" in name or "." in name
 
 
 def import_object(path: str) -> Any:
@@ -58,13 +70,14 @@ def resolve_pipeline_factory(spec: str | PipelineFactory) -> PipelineFactory:
         return spec
     if spec in _registered:
         return _registered[spec]
-    if spec in BUILTIN_PIPELINES:
-        factory: PipelineFactory = import_object(BUILTIN_PIPELINES[spec])
+    declared = declared_pipelines()
+    if spec in declared:
+        factory: PipelineFactory = import_object(declared[spec])
         return factory
     if ":" in spec or "." in spec:
         factory = import_object(spec)
         return factory
-    known = sorted({*BUILTIN_PIPELINES, *_registered})
+    known = sorted({*declared, *_registered})
     raise ValueError(f"unknown pipeline {spec!r}; known pipelines: {', '.join(known)}")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, overload
 
-from diffusion_runtime.runner.protocols import StepRequestState
+from diffusion_runtime.pipelines.protocols import StepRequestState
 
 
 class InputBatch(Sequence[StepRequestState]):

@@ -7,22 +7,17 @@ from typing import cast
 
 import torch
 
-from diffusion_runtime.errors import DeviceFault, PipelineContractError
-from diffusion_runtime.runner.faults import is_sticky_device_fault
-from diffusion_runtime.runner.input_batch import InputBatch
-from diffusion_runtime.runner.output import RunnerOutput
-from diffusion_runtime.runner.protocols import (
+from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
+from diffusion_runtime.errors import DeviceFault, PipelineContractError, describe_error
+from diffusion_runtime.pipelines.protocols import (
     STEP_METHODS,
     PipelineRequest,
     RequestPipeline,
     StepPipeline,
     StepRequestState,
 )
-from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
-
-
-def describe_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+from diffusion_runtime.runner.faults import is_sticky_device_fault
+from diffusion_runtime.runner.input_batch import InputBatch
 
 
 class ModelRunner:

@@ -10,12 +10,11 @@ from typing import Any
 import torch
 
 from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import RPCError
 from diffusion_runtime.pipelines.registry import build_pipeline, import_object
 from diffusion_runtime.runner.model_runner import ModelRunner
-from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.sampling_params import SamplingParams
-from diffusion_runtime.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

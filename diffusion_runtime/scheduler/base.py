@@ -8,14 +8,14 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING, ClassVar
 
 from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.contracts import NewRequestData, SchedulerOutput
 from diffusion_runtime.errors import DuplicateRequestError, QueueFullError
 from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine, RequestStatus, Trigger
 from diffusion_runtime.sampling_params import SamplingParams
-from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
 from diffusion_runtime.scheduler.request import Request
 
 if TYPE_CHECKING:
-    from diffusion_runtime.runner.output import RunnerOutput
+    from diffusion_runtime.contracts import RunnerOutput
 
 
 class BaseScheduler(abc.ABC):

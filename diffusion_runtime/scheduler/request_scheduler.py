@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.fsm import RequestMachine, Trigger
-from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.scheduler.base import BaseScheduler
-from diffusion_runtime.scheduler.output import SchedulerOutput
 from diffusion_runtime.scheduler.request import Request
 
 #: The longest quiet period admission coalescing waits for before it gives up on a fuller wave.

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.fsm import Trigger
-from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
-from diffusion_runtime.scheduler.output import SchedulerOutput
 
 
 class StepScheduler(BaseScheduler):

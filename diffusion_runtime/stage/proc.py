@@ -37,9 +37,9 @@ from diffusion_runtime.errors import (
     EngineDeadError,
     InvalidFieldError,
     RPCError,
+    describe_error,
 )
 from diffusion_runtime.outputs import RequestOutput
-from diffusion_runtime.runner.model_runner import describe_error
 from diffusion_runtime.sampling_params import MAX_SEED
 from diffusion_runtime.stage.allow_list import rpc_allow_list
 from diffusion_runtime.stage.batch import merge_batch

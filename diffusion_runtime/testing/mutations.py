@@ -18,14 +18,13 @@ from hypothesis import HealthCheck, Phase
 from hypothesis import settings as Settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
+from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.executor.uni import UniProcExecutor
 from diffusion_runtime.fsm import LifecycleEvent, RequestStatus, Trigger
+from diffusion_runtime.pipelines.protocols import PipelineRequest
 from diffusion_runtime.runner.model_runner import ModelRunner
-from diffusion_runtime.runner.output import RunnerOutput
-from diffusion_runtime.runner.protocols import PipelineRequest
 from diffusion_runtime.scheduler.base import BaseScheduler
-from diffusion_runtime.scheduler.output import NewRequestData, SchedulerOutput
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
 

@@ -15,7 +15,11 @@ from typing import Any
 import torch
 
 from diffusion_runtime.errors import DeviceFault
-from diffusion_runtime.runner.protocols import PipelineRequest, StepRequestState, forward_by_steps
+from diffusion_runtime.pipelines.protocols import (
+    PipelineRequest,
+    StepRequestState,
+    forward_by_steps,
+)
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.validation import fail
 

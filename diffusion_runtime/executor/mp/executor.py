@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import EngineDeadError, InvalidFieldError, RPCError
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.executor.mp.calls import CallTable
@@ -38,9 +39,7 @@ from diffusion_runtime.executor.mp.monitor import DeathMonitor
 from diffusion_runtime.executor.mp.pump import ResultPump
 from diffusion_runtime.executor.mp.segments import SEGMENT_PREFIX, OutputReader, sweep
 from diffusion_runtime.executor.mp.spec import WorkerSpec, portable_config
-from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.sampling_params import SamplingParams
-from diffusion_runtime.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

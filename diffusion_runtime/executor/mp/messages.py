@@ -21,8 +21,8 @@ from typing import Any
 
 import attrs
 
+from diffusion_runtime.contracts import RunnerOutput
 from diffusion_runtime.executor.mp.remote_error import RemoteError
-from diffusion_runtime.runner.output import RunnerOutput
 
 
 def dumps(obj: Any) -> bytes:

@@ -16,7 +16,7 @@ import attrs
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.errors import InvalidFieldError
-from diffusion_runtime.pipelines.registry import BUILTIN_PIPELINES, resolve_pipeline_factory
+from diffusion_runtime.pipelines.registry import declared_pipelines, resolve_pipeline_factory
 
 
 @attrs.frozen
@@ -61,7 +61,7 @@ def portable_config(config: EngineConfig) -> EngineConfig:
 
 
 def _importable_name(name: str) -> bool:
-    return name in BUILTIN_PIPELINES or ":" in name or "." in name
+    return name in declared_pipelines() or ":" in name or "." in name
 
 
 def _require_picklable(value: Any, field: str, rule: str) -> None:

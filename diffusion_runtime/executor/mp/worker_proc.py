@@ -30,7 +30,8 @@ from typing import NoReturn
 import attrs
 import torch
 
-from diffusion_runtime.errors import InvalidFieldError, RPCError
+from diffusion_runtime.contracts import RunnerOutput
+from diffusion_runtime.errors import InvalidFieldError, RPCError, describe_error
 from diffusion_runtime.executor.mp.messages import (
     OUTPUT_TENSOR_FIELDS,
     Call,
@@ -52,8 +53,6 @@ from diffusion_runtime.executor.mp.remote_error import RemoteError
 from diffusion_runtime.executor.mp.segments import INLINE_OUTPUT_BYTES, OutputArena, pack_inline
 from diffusion_runtime.executor.mp.spec import WorkerSpec
 from diffusion_runtime.runner.faults import is_sticky_device_fault
-from diffusion_runtime.runner.model_runner import describe_error
-from diffusion_runtime.runner.output import RunnerOutput
 from diffusion_runtime.runner.worker import Worker, worker_device
 
 logger = logging.getLogger(__name__)

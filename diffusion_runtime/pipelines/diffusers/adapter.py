@@ -11,7 +11,7 @@ import torch
 from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.pipelines.diffusers.family import Encoded, Family
 from diffusion_runtime.pipelines.diffusers.support import family_for
-from diffusion_runtime.runner.protocols import (
+from diffusion_runtime.pipelines.protocols import (
     PipelineRequest,
     Prompt,
     StepRequestState,

@@ -18,7 +18,7 @@ import attrs
 import torch
 
 from diffusion_runtime.errors import InvalidFieldError
-from diffusion_runtime.runner.protocols import PipelineRequest, Prompt
+from diffusion_runtime.pipelines.protocols import PipelineRequest, Prompt
 from diffusion_runtime.sampling_params import SamplingParams
 
 

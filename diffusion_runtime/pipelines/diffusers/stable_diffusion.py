@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from diffusion_runtime.pipelines.diffusers.family import Encoded, Family, draw_latents, step_kwargs
-from diffusion_runtime.runner.protocols import PipelineRequest, Prompt
+from diffusion_runtime.pipelines.protocols import PipelineRequest, Prompt
 from diffusion_runtime.sampling_params import SamplingParams
 
 _PROMPT_KEYS = frozenset({"prompt", "negative_prompt"})

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from diffusion_runtime.pipelines.digits.model import IMAGE_SIZE, PIXELS
-from diffusion_runtime.runner.protocols import PipelineRequest
+from diffusion_runtime.pipelines.protocols import PipelineRequest
 from diffusion_runtime.sampling_params import SamplingParams
 
 CLASSIFIER_WEIGHTS = Path(__file__).with_name("classifier.safetensors")

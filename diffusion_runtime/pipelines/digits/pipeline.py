@@ -18,7 +18,7 @@ from diffusion_runtime.pipelines.digits.model import (
     cosine_alpha_bars,
     ddim_timesteps,
 )
-from diffusion_runtime.runner.protocols import (
+from diffusion_runtime.pipelines.protocols import (
     PipelineRequest,
     Prompt,
     StepRequestState,

@@ -1,0 +1,83 @@
+"""The values that cross from scheduling to execution and back.
+
+A :class:`SchedulerOutput` is the whole contract between a scheduling policy
+and the executors; a :class:`RunnerOutput` is what a wave produced. Both sit
+below the scheduler, the executors and the runner, so none of them imports
+another to speak this contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from diffusion_runtime.sampling_params import SamplingParams
+
+
+@attrs.frozen(slots=True)
+class NewRequestData:
+    """A request's payload, sent to the workers the first time it is scheduled."""
+
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    seed: int
+
+
+@attrs.frozen(slots=True)
+class SchedulerOutput:
+    """What to run in one wave (request mode) or one step (step mode).
+
+    ``scheduled_new_reqs`` carry payloads for requests the workers have not
+    seen; ``scheduled_cached_ids`` name requests whose runner state is cached;
+    ``finished_ids`` name requests that ended since the previous output, so the
+    workers drop anything they hold for them.
+    """
+
+    wave_id: int
+    scheduled_new_reqs: tuple[NewRequestData, ...]
+    scheduled_cached_ids: tuple[str, ...]
+    finished_ids: tuple[str, ...]
+    num_running: int
+    num_waiting: int
+
+    @property
+    def scheduled_ids(self) -> tuple[str, ...]:
+        """Every request to run: those already running (in the order they joined), then new ones."""
+        return self.scheduled_cached_ids + tuple(r.request_id for r in self.scheduled_new_reqs)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduled_new_reqs or self.scheduled_cached_ids)
+
+
+@attrs.frozen(slots=True)
+class RunnerOutput:
+    """Per-request results of one scheduler output.
+
+    ``images`` maps a request id to its CPU image tensor
+    ``(num_outputs, C, H, W)``; ``errors`` maps a request id to why it failed.
+    A request id appears in at most one of them; a scheduled id in neither is a
+    missing result. In step mode, ``progress`` maps each stepped request to
+    ``(step_index, num_steps)`` after the step, ``images`` holds only requests
+    that finished their last step, and ``previews`` holds intermediate images.
+    ``executed`` lists the ids handed to the pipeline, in order; ``created`` and
+    ``released`` the ids whose runner state was created or dropped (the trace
+    and the auditor check them against the scheduler's output).
+    """
+
+    wave_id: int
+    images: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    errors: dict[str, str] = attrs.field(factory=dict)
+    progress: dict[str, tuple[int, int]] = attrs.field(factory=dict)
+    previews: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    executed: list[str] = attrs.field(factory=list)
+    created: list[str] = attrs.field(factory=list)
+    released: list[str] = attrs.field(factory=list)
+
+    @classmethod
+    def failed(cls, wave_id: int, request_ids: tuple[str, ...], message: str) -> RunnerOutput:
+        """Every listed request failed with the same message."""
+        return cls(wave_id, {}, dict.fromkeys(request_ids, message))
