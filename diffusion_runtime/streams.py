@@ -7,7 +7,6 @@ consumers are woken once per loop per tick, not once per output.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
@@ -111,25 +110,23 @@ class GenerateWaiter:
     """Collects the final outputs of a blocking ``generate`` call, in prompt order.
 
     One waiter is the sink of every request of the call (no per-request sink
-    objects: at large batch sizes every tracked object costs garbage-collector time).
+    objects: at large batch sizes every tracked object costs garbage-collector
+    time). The thread that drives the engine pushes; the caller reads
+    :attr:`done` and :meth:`result`.
     """
 
-    def __init__(self) -> None:
-        self._index: dict[str, int] = {}
-        self._outputs: list[RequestOutput | None] = []
-        self._remaining = 0
+    def __init__(self, request_ids: list[str]) -> None:
+        self._index = {request_id: i for i, request_id in enumerate(request_ids)}
+        self._outputs: list[RequestOutput | None] = [None] * len(request_ids)
+        self._remaining = len(request_ids)
         self._error: BaseException | None = None
-        self._done = threading.Event()
 
-    def expect(self, request_id: str) -> None:
-        """Reserve the next output position for ``request_id`` (before it is admitted)."""
-        self._index[request_id] = len(self._outputs)
-        self._outputs.append(None)
-        self._remaining += 1
+    @property
+    def done(self) -> bool:
+        return self._remaining == 0 or self._error is not None
 
-    def wait(self, timeout: float | None = None) -> list[RequestOutput]:
-        if self._remaining and not self._done.wait(timeout):
-            raise TimeoutError(f"generate did not finish within {timeout} s")
+    def result(self) -> list[RequestOutput]:
+        """The final outputs in prompt order; raises the error the call failed with."""
         if self._error is not None:
             raise self._error
         return [output for output in self._outputs if output is not None]
@@ -138,10 +135,7 @@ class GenerateWaiter:
         if output.finished:
             self._outputs[self._index[output.request_id]] = output
             self._remaining -= 1
-            if self._remaining == 0:
-                self._done.set()
 
     def fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
-        self._done.set()

@@ -476,9 +476,10 @@ def test_a_hook_calling_back_into_the_engine_fails_it_instead_of_deadlocking(
 
     engine = make_engine()
     engine.machine.add_hook(Hook.TERMINAL, lambda request, event: engine.snapshot())
-    # The first request's output is delivered before the broken hook runs; the
-    # loop then dies, so the next call fails (at admission or while waiting).
-    engine.generate(["x"], FAST, timeout=30)
+    # The hook raises inside the step that completes the request: the core dies
+    # and every caller, this one first, gets the reason.
+    with pytest.raises(EngineDeadError, match="cannot be made from a lifecycle hook"):
+        engine.generate(["x"], FAST, timeout=30)
     with pytest.raises(EngineDeadError, match="cannot be made from a lifecycle hook"):
         engine.generate(["y"], FAST, timeout=30)
 

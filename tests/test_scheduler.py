@@ -8,7 +8,7 @@ import torch
 from diffusion_runtime import DuplicateRequestError, EngineConfig, QueueFullError, SamplingParams
 from diffusion_runtime.contracts import RunnerOutput
 from diffusion_runtime.fsm import RequestMachine, RequestStatus
-from diffusion_runtime.scheduler import Request, RequestScheduler
+from diffusion_runtime.scheduler import BaseScheduler, Request, RequestScheduler
 
 S = RequestStatus
 
@@ -18,7 +18,7 @@ def make(max_num_seqs: int = 4, **config: object) -> RequestScheduler:
     return RequestScheduler(machine, EngineConfig(max_num_seqs=max_num_seqs, **config))  # type: ignore[arg-type]
 
 
-def add(scheduler: RequestScheduler, rid: str, steps: int = 4, **params: object) -> Request:
+def add(scheduler: BaseScheduler, rid: str, steps: int = 4, **params: object) -> Request:
     p = SamplingParams(num_inference_steps=steps, **params)  # type: ignore[arg-type]
     request = Request(rid, rid, p, seed=0, batch_key=scheduler.batch_key_for(p))
     scheduler.add_request(request)
@@ -60,9 +60,8 @@ def test_every_scheduled_request_terminates_on_update() -> None:
         S.FINISHED_ERROR,  # empty result
     ]
     assert not scheduler.requests and not scheduler.running and not scheduler.waiting
-    nxt = scheduler.schedule(now=0.0)
-    assert nxt is not None and not nxt.has_work
-    assert set(nxt.finished_ids) == {"a", "b", "c", "d"}
+    # In request mode a worker holds nothing once its wave is done: no release-only output.
+    assert not scheduler.has_pending_release()
     assert scheduler.schedule(now=0.0) is None
 
 
@@ -78,6 +77,20 @@ def test_abort_while_waiting_and_while_running() -> None:
     # The aborted request's late result is dropped, not applied.
     scheduler.update_from_output(out, RunnerOutput(out.wave_id, {"a": torch.zeros(1, 1, 1, 1)}))
     assert a.state is S.FINISHED_ABORTED
+    # Request mode: the workers hold nothing for "a" after its wave, so nothing is sent.
+    assert scheduler.schedule(now=0.0) is None
+
+
+def test_step_mode_reports_finished_ids_of_requests_the_workers_saw() -> None:
+    from diffusion_runtime.scheduler import StepScheduler
+
+    machine: RequestMachine[Request] = RequestMachine()
+    scheduler = StepScheduler(machine, EngineConfig(max_num_seqs=1, execution_mode="step"))
+    add(scheduler, "a")
+    add(scheduler, "b")
+    out = scheduler.schedule(now=0.0)
+    assert out is not None and out.scheduled_ids == ("a",)
+    assert scheduler.abort_request("a", "caller") and scheduler.abort_request("b", "caller")
     nxt = scheduler.schedule(now=0.0)
     # Only "a" reached the workers, so only "a" is reported finished to them.
     assert nxt is not None and nxt.finished_ids == ("a",) and not nxt.has_work

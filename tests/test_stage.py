@@ -241,6 +241,13 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
     client = StageClient(config, transport="tcp")
     loop.run_until_complete(client.start())
     engine = DiffusionEngine.make_engine(config)
+
+    # The async API's loop thread lives as long as the engine: start it before the tests.
+    async def start_engine_loop() -> None:
+        rid = await engine.add_request("cat", SamplingParams(num_inference_steps=1))
+        assert [o.ok async for o in engine.stream(rid)] == [True]
+
+    loop.run_until_complete(start_engine_loop())
     try:
         yield Shared(loop, client, engine, Gate(gate_dir))
     finally:

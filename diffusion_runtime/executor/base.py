@@ -6,7 +6,7 @@ import abc
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
@@ -25,6 +25,10 @@ class DiffusionExecutor(abc.ABC):
     process, a sticky device fault) marks the executor failed for good, and
     every later call raises :class:`EngineDeadError`.
     """
+
+    #: Whether :meth:`validate_request` runs in this process without waiting on a
+    #: worker (an async front then calls it on its event loop, else off the loop).
+    validates_in_process: ClassVar[bool] = False
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

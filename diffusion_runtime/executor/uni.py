@@ -20,6 +20,8 @@ class UniProcExecutor(DiffusionExecutor):
     hung pipeline blocks the calling thread.
     """
 
+    validates_in_process = True
+
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         if config.num_workers != 1:

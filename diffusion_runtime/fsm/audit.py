@@ -340,9 +340,7 @@ class TerminalCleanup:
         ]
         if complete:
             problems += [
-                self._violation(
-                    rid, "terminal, but no final output was delivered or dropped", ended
-                )
+                self._violation(rid, "terminal, but the core emitted no final output", ended)
                 for rid, ended in self.terminal.items()
                 if rid not in self.delivered
             ]
@@ -427,7 +425,7 @@ class ResultsKeepIdentity:
                 for rid in (*event.produced, *event.progressed)
                 if rid not in ran
             ]
-        if not isinstance(event, DeliveryEvent) or not event.finished or event.dropped:
+        if not isinstance(event, DeliveryEvent) or not event.finished:
             return []
         problems = []
         ended = self.terminal.get(event.request_id)

@@ -115,7 +115,7 @@ class RunnerEvent:
 
 @attrs.frozen(slots=True)
 class DeliveryEvent:
-    """An output handed to (or dropped for lack of) a request's consumer.
+    """An output the engine core emitted for a request (a value ``step()`` returned).
 
     ``digest`` fingerprints the images (empty when there are none), and
     ``fingerprint`` the request's inputs (prompt, seed, parameters): two
@@ -125,7 +125,6 @@ class DeliveryEvent:
     request_id: str
     status: RequestStatus
     finished: bool
-    dropped: bool
     digest: str
     fingerprint: str
     time: float
@@ -138,7 +137,6 @@ class DeliveryEvent:
             "request_id": self.request_id,
             "status": self.status.value,
             "finished": self.finished,
-            "dropped": self.dropped,
             "digest": self.digest,
             "fingerprint": self.fingerprint,
             "time": self.time,

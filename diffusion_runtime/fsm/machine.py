@@ -120,6 +120,8 @@ class RequestMachine(Generic[L]):
     def __init__(self) -> None:
         self._hooks: dict[Hook, list[LifecycleHook[L]]] = {hook: [] for hook in Hook}
         self._subscribers: list[EventSubscriber] = []
+        # The event of the transition being fired (a machine serves one thread at a time).
+        self._last_event = LifecycleEvent("", None, INITIAL_STATE, ADMIT, None, 0.0)
         self._machine = Machine(
             model=None,
             states=RequestStatus,
@@ -171,8 +173,9 @@ class RequestMachine(Generic[L]):
 
     def fire(
         self, request: L, trigger: Trigger, *, wave_id: int | None = None, reason: str | None = None
-    ) -> None:
-        """Move ``request`` by ``trigger``, or raise :class:`LifecycleViolation`.
+    ) -> LifecycleEvent:
+        """Move ``request`` by ``trigger`` and return the transition's event, or
+        raise :class:`LifecycleViolation`.
 
         A rejected trigger leaves the state unchanged and is still published to
         subscribers (as an event with ``rejected=True``), so a trace shows it.
@@ -194,16 +197,16 @@ class RequestMachine(Generic[L]):
                 )
             )
             raise LifecycleViolation(request.request_id, state, trigger.value) from None
+        return self._last_event
 
-    def abort_if_active(self, request: L, reason: str) -> bool:
-        """A caller's abort: a no-op (returning False) once the request has finished.
+    def abort_if_active(self, request: L, reason: str) -> LifecycleEvent | None:
+        """A caller's abort: a no-op (returning ``None``) once the request has finished.
 
         A caller racing a request's completion is normal, not a violation.
         """
         if request.state.is_finished:
-            return False
-        self.fire(request, Trigger.ABORT, reason=reason)
-        return True
+            return None
+        return self.fire(request, Trigger.ABORT, reason=reason)
 
     def legal_moves(self) -> list[tuple[RequestStatus, Trigger, RequestStatus]]:
         """``(source, trigger, dest)`` for every transition, read back from the
@@ -231,6 +234,7 @@ class RequestMachine(Generic[L]):
             time.monotonic(),
             kwargs["reason"],
         )
+        self._last_event = event
         self._dispatch(event_data.model, event)
 
     def _dispatch(self, request: L, event: LifecycleEvent) -> None:

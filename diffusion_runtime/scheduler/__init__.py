@@ -1,8 +1,17 @@
 """Scheduling policy: which requests run in the next wave or step."""
 
 from diffusion_runtime.contracts import NewRequestData, SchedulerOutput
-from diffusion_runtime.scheduler.base import BaseScheduler
+from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+from diffusion_runtime.scheduler.step_scheduler import StepScheduler
 
-__all__ = ["BaseScheduler", "NewRequestData", "Request", "RequestScheduler", "SchedulerOutput"]
+__all__ = [
+    "BaseScheduler",
+    "Ended",
+    "NewRequestData",
+    "Request",
+    "RequestScheduler",
+    "SchedulerOutput",
+    "StepScheduler",
+]

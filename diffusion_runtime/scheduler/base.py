@@ -5,17 +5,21 @@ from __future__ import annotations
 import abc
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, NamedTuple
 
 from diffusion_runtime.config import EngineConfig
-from diffusion_runtime.contracts import NewRequestData, SchedulerOutput
+from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import DuplicateRequestError, QueueFullError
 from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine, RequestStatus, Trigger
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.request import Request
 
-if TYPE_CHECKING:
-    from diffusion_runtime.contracts import RunnerOutput
+
+class Ended(NamedTuple):
+    """A request that reached a terminal state, and the transition that ended it."""
+
+    request: Request
+    event: LifecycleEvent
 
 
 class BaseScheduler(abc.ABC):
@@ -30,6 +34,10 @@ class BaseScheduler(abc.ABC):
 
     #: The execution mode whose runner this scheduler's outputs are meant for.
     execution_mode: ClassVar[str] = "request"
+    #: Whether workers keep per-request state between outputs (step mode). Only
+    #: then do finished ids travel in ``finished_ids``: in request mode a
+    #: worker holds nothing once a wave is done, so nothing is sent to release.
+    keeps_runner_state: ClassVar[bool] = False
 
     def __init__(self, machine: RequestMachine[Request], config: EngineConfig) -> None:
         self.machine = machine
@@ -74,33 +82,41 @@ class BaseScheduler(abc.ABC):
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
-    def abort_request(self, request_id: str, reason: str) -> bool:
-        """Abort an active request; False when the id is unknown or already finished."""
+    def abort_request(self, request_id: str, reason: str) -> Ended | None:
+        """Abort an active request; ``None`` when the id is unknown or already finished."""
         request = self.requests.get(request_id)
-        return request is not None and self.machine.abort_if_active(request, reason)
+        if request is None:
+            return None
+        event = self.machine.abort_if_active(request, reason)
+        return None if event is None else Ended(request, event)
 
-    def fail_request(self, request_id: str, reason: str, wave_id: int | None = None) -> None:
-        self.machine.fire(self.requests[request_id], Trigger.FAIL, wave_id=wave_id, reason=reason)
+    def fail_request(self, request_id: str, reason: str, wave_id: int | None = None) -> Ended:
+        request = self.requests[request_id]
+        return Ended(
+            request, self.machine.fire(request, Trigger.FAIL, wave_id=wave_id, reason=reason)
+        )
 
     def preempt_request(self, request_id: str) -> None:
         """Move a running request back to the head of the waiting queue; it
         restarts from its first step when scheduled again."""
         self.machine.fire(self.requests[request_id], Trigger.PREEMPT)
 
-    def finish_all(self, trigger: Trigger, reason: str) -> None:
+    def finish_all(self, trigger: Trigger, reason: str) -> list[Ended]:
         """End every active request with ``trigger`` (abort on close, fail on death).
 
         Every request is ended even if a hook raises for one of them; the first
         error is re-raised at the end.
         """
+        ended: list[Ended] = []
         first_error: BaseException | None = None
         for request in list(self.requests.values()):
             try:
-                self.machine.fire(request, trigger, reason=reason)
+                ended.append(Ended(request, self.machine.fire(request, trigger, reason=reason)))
             except BaseException as exc:
                 first_error = first_error or exc
         if first_error is not None:
             raise first_error
+        return ended
 
     # -- queries -------------------------------------------------------------------
 
@@ -115,6 +131,10 @@ class BaseScheduler(abc.ABC):
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_pending_release(self) -> bool:
+        """Whether finished ids wait to be sent to the workers (so they drop their state)."""
+        return bool(self._finished_ids)
+
     def next_wakeup(self) -> float | None:
         """The monotonic time at which :meth:`schedule` may have new work, if it is waiting."""
         return None
@@ -126,8 +146,11 @@ class BaseScheduler(abc.ABC):
         """The next wave to run, or ``None`` when there is nothing to send."""
 
     @abc.abstractmethod
-    def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> None:
-        """Apply a wave's results: finish, fail or advance each scheduled request."""
+    def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> list[Ended]:
+        """Apply a wave's results: finish, fail or advance each scheduled request.
+
+        Returns the requests this update ended, in the order they ended.
+        """
 
     def next_wave(self) -> list[Request]:
         """The longest FIFO run of waiting requests that may join the running set.
@@ -194,7 +217,8 @@ class BaseScheduler(abc.ABC):
         self.waiting[request.request_id] = request
         self.waiting.move_to_end(request.request_id, last=False)
         # It starts over when scheduled again: the workers drop what they hold for it.
-        self._finished_ids.append(request.request_id)
+        if self.keeps_runner_state:
+            self._finished_ids.append(request.request_id)
         request.step_index, request.num_steps = 0, None
 
     def _on_terminal(self, request: Request, event: LifecycleEvent) -> None:
@@ -205,5 +229,5 @@ class BaseScheduler(abc.ABC):
         else:
             del self.waiting[request_id]
         request.finished_time = event.time
-        if request.scheduled_time is not None:  # the workers have seen it
+        if self.keeps_runner_state and request.scheduled_time is not None:  # workers saw it
             self._finished_ids.append(request_id)

@@ -6,32 +6,27 @@ import time
 from collections.abc import Hashable
 from typing import Any
 
-import torch
-
 from diffusion_runtime.fsm import RequestLifecycle
 from diffusion_runtime.sampling_params import SamplingParams
 
 
 class Request(RequestLifecycle):
-    """An admitted request: identity, input, lifecycle state and timings.
+    """An admitted request: identity, input, lifecycle state, timings and progress.
 
-    ``sink`` is where the engine delivers this request's outputs (``None`` once
-    the consumer is gone). ``images`` holds the result between the runner's
-    output and the terminal transition that delivers it. In step mode,
-    ``step_index`` of ``num_steps`` is the progress the runner reported.
+    In step mode, ``step_index`` of ``num_steps`` is the progress the runner
+    reported. Outputs never travel on this object: the core builds them as
+    values from what each step decided.
     """
 
     __slots__ = (
         "arrival_time",
         "batch_key",
         "finished_time",
-        "images",
         "num_steps",
         "params",
         "prompt",
         "scheduled_time",
         "seed",
-        "sink",
         "step_index",
     )
 
@@ -42,17 +37,15 @@ class Request(RequestLifecycle):
         params: SamplingParams,
         seed: int,
         batch_key: Hashable,
-        sink: Any = None,
+        arrival_time: float | None = None,
     ) -> None:
         super().__init__(request_id)
         self.prompt = prompt
         self.params = params
         self.seed = seed
         self.batch_key = batch_key
-        self.sink = sink
-        self.arrival_time = time.monotonic()
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.scheduled_time: float | None = None
         self.finished_time: float | None = None
-        self.images: torch.Tensor | None = None
         self.step_index = 0
         self.num_steps: int | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.fsm import RequestMachine, Trigger
-from diffusion_runtime.scheduler.base import BaseScheduler
+from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 from diffusion_runtime.scheduler.request import Request
 
 #: The longest quiet period admission coalescing waits for before it gives up on a fuller wave.
@@ -37,20 +37,22 @@ class RequestScheduler(BaseScheduler):
     def next_wakeup(self) -> float | None:
         return self._wakeup_at
 
-    def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> None:
+    def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> list[Ended]:
         fire = self.machine.fire
         wave_id = output.wave_id
+        ended = []
         for data in output.scheduled_new_reqs:
             request = self.running.get(data.request_id)
             if request is None:  # aborted while the wave ran: its result is dropped
                 continue
             images = result.images.get(data.request_id)
             if images is not None and images.shape[0] > 0:
-                request.images = images
-                fire(request, Trigger.COMPLETE, wave_id=wave_id)
+                event = fire(request, Trigger.COMPLETE, wave_id=wave_id)
             else:
                 reason = result.errors.get(data.request_id, "the runner returned no output")
-                fire(request, Trigger.FAIL, wave_id=wave_id, reason=reason)
+                event = fire(request, Trigger.FAIL, wave_id=wave_id, reason=reason)
+            ended.append(Ended(request, event))
+        return ended
 
     def _should_wait_for_more(self, wave: list[Request], now: float) -> bool:
         if self.max_wait_s == 0 or len(wave) + len(self.running) >= self.max_num_running_reqs:

@@ -7,7 +7,7 @@ from collections.abc import Hashable
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.fsm import Trigger
 from diffusion_runtime.sampling_params import SamplingParams
-from diffusion_runtime.scheduler.base import BaseScheduler
+from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 
 
 class StepScheduler(BaseScheduler):
@@ -21,6 +21,7 @@ class StepScheduler(BaseScheduler):
     """
 
     execution_mode = "step"
+    keeps_runner_state = True
 
     def batch_key_for(self, params: SamplingParams) -> Hashable:
         return params.step_batch_key()
@@ -29,9 +30,10 @@ class StepScheduler(BaseScheduler):
         cached_ids = tuple(self.running)
         return self.build_output(self.next_wave(), cached_ids)
 
-    def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> None:
+    def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> list[Ended]:
         fire = self.machine.fire
         wave_id = output.wave_id
+        ended = []
         for request_id in output.scheduled_ids:
             request = self.running.get(request_id)
             if request is None:  # aborted during the step
@@ -41,7 +43,9 @@ class StepScheduler(BaseScheduler):
             if error is None:
                 error = self._progress_error(request.step_index, progress)
             if error is not None:
-                fire(request, Trigger.FAIL, wave_id=wave_id, reason=error)
+                ended.append(
+                    Ended(request, fire(request, Trigger.FAIL, wave_id=wave_id, reason=error))
+                )
                 continue
             assert progress is not None
             request.step_index, request.num_steps = progress
@@ -50,10 +54,11 @@ class StepScheduler(BaseScheduler):
             images = result.images.get(request_id)
             if images is None or images.shape[0] == 0:
                 reason = "the runner finished the last step without images"
-                fire(request, Trigger.FAIL, wave_id=wave_id, reason=reason)
+                event = fire(request, Trigger.FAIL, wave_id=wave_id, reason=reason)
             else:
-                request.images = images
-                fire(request, Trigger.COMPLETE, wave_id=wave_id)
+                event = fire(request, Trigger.COMPLETE, wave_id=wave_id)
+            ended.append(Ended(request, event))
+        return ended
 
     @staticmethod
     def _progress_error(previous: int, progress: tuple[int, int] | None) -> str | None:

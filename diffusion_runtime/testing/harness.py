@@ -18,6 +18,7 @@ A user's test file can be two lines::
 from __future__ import annotations
 
 import asyncio
+import time
 import unittest
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -111,28 +112,34 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         assert self.failing_prompts is not None
         return self._add(data.draw(self.failing_prompts), data.draw(self.params))
 
-    @precondition(lambda self: not self.closed and not self.killed)
+    @precondition(lambda self: not self.closed and not self.killed and not self.paused)
     @rule(rid=requests)
     def add_with_a_taken_id(self, rid: str) -> None:
-        """Reusing an id is refused while it is active or its output unread,
-        and allowed once it has finished and been read."""
+        """Reusing an id is refused while its output is unread, and allowed once
+        its request has finished and been read.
+
+        It runs on a quiet engine, so whether the id is free never depends on timing.
+        """
         prompt, params = self.inputs[rid]
-        # Once finished and read, an id stays free; while active it may finish at any time.
-        free = rid in self._finished_ids() and rid not in self.unread
+        self._wait_until_quiet()
+        free = rid not in self.unread
+        admissions = sum(1 for e in self._events_of(rid) if e.source is None)
         try:
             self.loop.run_until_complete(self.engine.add_request(prompt, params, request_id=rid))
         except DuplicateRequestError:
             assert not free, f"{rid!r} refused after it finished and was read"
             return
-        # The new lifecycle's admission must follow the old one's terminal event.
-        mine = [e for e in self.lifecycle if e.request_id == rid]
-        newest = max(i for i, e in enumerate(mine) if e.source is None)
-        before = mine[newest - 1] if newest > 0 else None
-        assert before is not None and before.dest.is_finished, f"{rid!r} admitted while active"
-        assert rid not in self.unread, f"{rid!r} admitted again while its output was unread"
-        # A new lifecycle under an old id: read the old output, track the new one.
+        assert free, f"{rid!r} admitted again while its output was unread"
+        # The old lifecycle (before this call's admission, which the engine's
+        # driver makes later) must have ended before the id was accepted again.
+        events = self._events_of(rid)
+        starts = [i for i, e in enumerate(events) if e.source is None]
+        end = starts[admissions] if len(starts) > admissions else len(events)
+        old = events[starts[admissions - 1] : end] if admissions else []
+        assert old and old[-1].dest.is_finished, f"{rid!r} admitted while active"
+        # A new lifecycle under an old id: its output replaces the old one's.
         self.outputs.pop(rid, None)
-        self.unread.add(rid)
+        self._run(self._read(rid))
 
     @rule(rid=requests)
     def abort(self, rid: str) -> None:
@@ -272,6 +279,16 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
             assert self.closed, "a stream ended with EngineClosedError while the engine was open"
         except EngineDeadError:
             assert self.killed, "the engine died, but no worker was killed"
+
+    def _wait_until_quiet(self) -> None:
+        """Until every admitted request has finished (the engine must not be paused)."""
+        deadline = time.monotonic() + self.read_timeout_s
+        while self.engine.snapshot().scheduler_ids or self.engine.queue_length:
+            assert time.monotonic() < deadline, "the engine did not finish its requests"
+            time.sleep(0.001)
+
+    def _events_of(self, rid: str) -> list[LifecycleEvent]:
+        return [e for e in list(self.lifecycle) if e.request_id == rid and not e.rejected]
 
     async def _read_then_leave(self, rid: str) -> None:
         reader = self.engine.stream(rid)

@@ -19,9 +19,11 @@ from hypothesis import settings as Settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
+from diffusion_runtime.core import EngineCore
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.executor.uni import UniProcExecutor
 from diffusion_runtime.fsm import LifecycleEvent, RequestStatus, Trigger
+from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.pipelines.protocols import PipelineRequest
 from diffusion_runtime.runner.model_runner import ModelRunner
 from diffusion_runtime.scheduler.base import BaseScheduler
@@ -112,15 +114,13 @@ def executor_runs_an_unsent_id() -> contextlib.AbstractContextManager[None]:
 
 def stream_not_woken_on_close() -> contextlib.AbstractContextManager[None]:
     def make(original: Any) -> Any:
-        def end_all(self: DiffusionEngine, error: Any, trigger: Trigger) -> None:
-            with self._lock:  # streams are never told the engine ended
-                for request in self.scheduler.requests.values():
-                    request.sink = None
-                self.scheduler.finish_all(trigger, str(error))
+        def end_callers(self: DiffusionEngine, error: Any) -> None:
+            with self._changed:  # streams are never told the engine ended
+                self._sinks.clear()
 
-        return end_all
+        return end_callers
 
-    return _replace(DiffusionEngine, "_end_all", make)
+    return _replace(DiffusionEngine, "_end_callers", make)
 
 
 def generator_shared_across_requests() -> contextlib.AbstractContextManager[None]:
@@ -223,14 +223,14 @@ def aborted_waiting_request_stays_queued() -> contextlib.AbstractContextManager[
 
 def error_output_never_delivered() -> contextlib.AbstractContextManager[None]:
     def make(original: Any) -> Any:
-        def deliver_final(self: DiffusionEngine, request: Request, event: LifecycleEvent) -> None:
-            if event.dest is RequestStatus.FINISHED_ERROR:
-                return  # "errors are logged, not streamed"
-            original(self, request, event)
+        def step(self: EngineCore, late_aborts: Any) -> list[RequestOutput]:
+            outputs: list[RequestOutput] = original(self, late_aborts)
+            # "errors are logged, not returned"
+            return [o for o in outputs if o.status is not RequestStatus.FINISHED_ERROR]
 
-        return deliver_final
+        return step
 
-    return _replace(DiffusionEngine, "_deliver_final", make)
+    return _replace(EngineCore, "_step", make)
 
 
 CATALOGUE: tuple[Mutation, ...] = (

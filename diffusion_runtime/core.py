@@ -1,0 +1,504 @@
+"""EngineCore: the synchronous heart of the runtime.
+
+One core owns the request machine, the scheduler and the executor. It has no
+thread, no lock and no queue of its own: whoever drives it calls
+:meth:`EngineCore.step` in a loop, and each step is
+
+1. ``scheduler.schedule()`` picks a wave and returns a ``SchedulerOutput``;
+2. ``executor.execute(output)`` runs it on the workers;
+3. ``scheduler.update_from_output()`` fires the transitions the results decide;
+4. the step returns this step's outputs, built as values from those transitions.
+
+Hooks on the machine only clean tables and release resources; nothing reaches
+a caller through a hook. Fronts (:class:`~diffusion_runtime.engine.DiffusionEngine`,
+the stage) add ids, validation, seeds, streams and threads on top; a custom
+engine can drive a core from its own loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, TypeVar
+
+import attrs
+import torch
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
+from diffusion_runtime.errors import EngineDeadError, describe_error
+from diffusion_runtime.executor.base import DiffusionExecutor
+from diffusion_runtime.executor.selection import resolve_executor_class
+from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine, RequestStatus, Trigger
+from diffusion_runtime.fsm.audit import Auditor, InvariantViolation, Violation
+from diffusion_runtime.fsm.events import DeliveryEvent, EngineEvent, RunnerEvent, WaveEvent
+from diffusion_runtime.fsm.trace import JsonlTraceWriter
+from diffusion_runtime.outputs import RequestMetrics, RequestOutput
+from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.scheduler.base import BaseScheduler, Ended
+from diffusion_runtime.scheduler.request import Request
+from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+from diffusion_runtime.scheduler.step_scheduler import StepScheduler
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+@attrs.frozen
+class EngineSnapshot:
+    """What the engine and its workers hold right now, by request id (for checks and audits)."""
+
+    scheduler_ids: frozenset[str]
+    running_ids: frozenset[str]
+    waiting: int
+    runner_cached_ids: frozenset[str]
+    executor_held_ids: frozenset[str]
+    unclaimed_stream_ids: frozenset[str]
+
+
+class EngineCore:
+    """Admits requests, runs them one step at a time, and returns their outputs.
+
+    Not thread-safe: one thread at a time calls its methods. A request's input
+    must have passed :meth:`validate` (fronts do this before admitting it).
+    After :class:`EngineDeadError` the core is dead for good: every request
+    has failed and every later :meth:`step` raises the same error.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        scheduler_cls: type[BaseScheduler] | None = None,
+        executor: DiffusionExecutor | None = None,
+    ) -> None:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig; got {type(config).__name__}")
+        self.config = config
+        self.machine: RequestMachine[Request] = RequestMachine()
+        self.auditor: Auditor | None = None
+        self._trace_writer: JsonlTraceWriter | None = None
+        self._traced_waves: set[int] = set()
+        self._pending: list[RequestOutput] = []
+        self._last_batch_key: tuple[SamplingParams | None, Hashable] = (None, None)
+        self._dead: EngineDeadError | None = None
+        self._shut_down = False
+        # Set when an abort ends a running request whose runner state the workers
+        # hold: released before the core returns, so no caller ever sees it held.
+        self._release_due = False
+        self._in_step = False
+        #: Whether the last :meth:`step` ran a wave (``False``: nothing was ready).
+        self.last_step_executed = False
+        self.executor = executor if executor is not None else resolve_executor_class(config)(config)
+        try:
+            self._start_trace()
+            if scheduler_cls is None:
+                step_mode = config.resolved_mode == "step"
+                scheduler_cls = StepScheduler if step_mode else RequestScheduler
+            if scheduler_cls.execution_mode != config.resolved_mode:
+                raise ValueError(
+                    f"{scheduler_cls.__name__} schedules {scheduler_cls.execution_mode} mode, "
+                    f"but the engine runs in {config.resolved_mode} mode"
+                )
+            self.scheduler = scheduler_cls(self.machine, config)
+            self.machine.add_hook(Hook.TERMINAL, self._release_executor_bookkeeping)
+        except BaseException:
+            self.executor.shutdown()
+            self._end_trace(EngineEvent("dead", time.monotonic(), "start-up failed"))
+            raise
+
+    # -- requests ------------------------------------------------------------------------
+
+    def validate(self, prompt: Any, params: SamplingParams) -> None:
+        """Raise :class:`~diffusion_runtime.errors.InvalidFieldError` for input the
+        pipeline cannot serve (on mp, a round trip to a worker)."""
+        self.executor.validate_request(prompt, params)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        seed: int,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Admit a validated request at the back of the waiting queue.
+
+        Raises :class:`~diffusion_runtime.errors.DuplicateRequestError` for an id
+        in use and :class:`~diffusion_runtime.errors.QueueFullError` at
+        ``max_waiting_requests``; the request is then not admitted.
+        """
+        self._check_alive()
+        # One params object is often shared by many prompts: compute its key once.
+        cached_params, batch_key = self._last_batch_key
+        if params is not cached_params:
+            batch_key = self.scheduler.batch_key_for(params)
+            self._last_batch_key = (params, batch_key)
+        request = Request(request_id, prompt, params, seed, batch_key, arrival_time)
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: Iterable[str], reason: str = "aborted by the caller") -> None:
+        """Abort active requests now; their final outputs come with the next :meth:`step`.
+
+        Unknown and finished ids are ignored: a caller racing a completion is
+        normal. Runner state the workers hold for an aborted running request is
+        released before this returns (inside a step: before the step returns).
+        """
+        self._check_alive()
+        self._guarded(lambda: self._abort(request_ids, reason))
+
+    def _abort(self, request_ids: Iterable[str], reason: str) -> None:
+        for request_id in request_ids:
+            ended = self.scheduler.abort_request(request_id, reason)
+            if ended is not None:
+                self._pending.append(self._final_output(ended, None))
+                if ended.event.source is RequestStatus.RUNNING:
+                    self._release_due = self.scheduler.keeps_runner_state
+        if self._release_due and not self._in_step:
+            self._send_release()
+
+    def has_unfinished(self) -> bool:
+        """Whether a :meth:`step` has anything to do: requests, outputs, or releases."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._pending)
+            or self.scheduler.has_pending_release()
+        )
+
+    def next_wakeup(self) -> float | None:
+        """When a scheduler that is waiting (to fill a wave) wants the next step."""
+        return self.scheduler.next_wakeup()
+
+    # -- one step ------------------------------------------------------------------------
+
+    def step(self, late_aborts: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Run one wave (or one denoising step) and return the outputs it produced.
+
+        Outputs of aborts made since the last step come first. ``late_aborts``
+        runs after the workers ran the wave and before its results are
+        committed: aborts it makes (with :meth:`abort`) win over the wave's
+        results, as a front needs for aborts that arrived during the wave. A failed wave
+        fails its requests; a dead executor, or an error inside the core
+        itself, kills the core: every request fails and
+        :class:`EngineDeadError` is raised. A ``KeyboardInterrupt`` while the
+        workers run a wave fails that wave's requests (their outputs come with
+        the next step) and is re-raised; the core lives on.
+        """
+        self._check_alive()
+        self._in_step = True
+        try:
+            return self._guarded(lambda: self._step(late_aborts))
+        finally:
+            self._in_step = False
+
+    def _guarded(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn``; any error but an interrupted wave kills the core."""
+        try:
+            return fn()
+        except _WaveInterrupted:
+            raise KeyboardInterrupt from None
+        except BaseException as exc:
+            error = _as_dead(exc)
+            self._die(error)
+            if error is exc:
+                raise
+            raise error from exc
+
+    def _step(self, late_aborts: Callable[[], None] | None) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        self._release_due = False  # this step's output carries every id finished so far
+        self.executor.check_health()
+        output = self._trace_wave(self.scheduler.schedule(time.monotonic()))
+        self.last_step_executed = output is not None
+        if output is None:
+            return outputs
+        interrupted = False
+        try:
+            result = self._execute(output)
+        except KeyboardInterrupt:
+            interrupted = True
+            result = self._failed_wave(output, "the wave was interrupted (KeyboardInterrupt)")
+        self._trace_runner(result)
+        if late_aborts is not None:
+            late_aborts()
+            outputs += self._pending
+            self._pending = []
+        for ended in self.scheduler.update_from_output(output, result):
+            outputs.append(self._final_output(ended, result.images.get(ended.request.request_id)))
+        if self.config.streaming_output and result.progress:
+            outputs.extend(self._progress_outputs(result))
+        if self._release_due:
+            self._send_release()
+        if interrupted:
+            self._pending = outputs
+            raise _WaveInterrupted
+        return outputs
+
+    def _execute(self, output: SchedulerOutput) -> RunnerOutput:
+        try:
+            return self.executor.execute(output)
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            logger.exception("executor failed on wave %d", output.wave_id)
+            return self._failed_wave(output, describe_error(exc))
+
+    def _failed_wave(self, output: SchedulerOutput, reason: str) -> RunnerOutput:
+        # The workers may not have seen the finished ids: tell them again next time.
+        self.scheduler.requeue_finished_ids(output.finished_ids)
+        return RunnerOutput.failed(output.wave_id, output.scheduled_ids, reason)
+
+    # -- outputs -------------------------------------------------------------------------
+
+    def _final_output(self, ended: Ended, images: torch.Tensor | None) -> RequestOutput:
+        request, event = ended
+        completed = event.dest is RequestStatus.FINISHED_COMPLETED
+        scheduled = request.scheduled_time
+        output = RequestOutput(
+            request_id=request.request_id,
+            status=event.dest,
+            finished=True,
+            image_batch=images if completed else None,
+            seed=request.seed,
+            error=None if completed else event.reason,
+            metrics=RequestMetrics(
+                queue_time_s=(scheduled if scheduled is not None else event.time)
+                - request.arrival_time,
+                execution_time_s=0.0 if scheduled is None else event.time - scheduled,
+                total_time_s=event.time - request.arrival_time,
+            ),
+            step=request.step_index if request.num_steps is not None else None,
+            num_steps=request.num_steps,
+        )
+        if self.machine.traced:
+            self._trace_delivery(request, output)
+        return output
+
+    def _progress_outputs(self, result: RunnerOutput) -> list[RequestOutput]:
+        """Intermediate outputs: step i of n, with a preview image when there is one."""
+        outputs = []
+        for request_id, (step, num_steps) in result.progress.items():
+            request = self.scheduler.running.get(request_id)
+            if request is None:  # it finished in this step: its final output says so
+                continue
+            output = RequestOutput(
+                request_id=request_id,
+                status=RequestStatus.RUNNING,
+                finished=False,
+                image_batch=result.previews.get(request_id),
+                seed=request.seed,
+                step=step,
+                num_steps=num_steps,
+            )
+            if self.machine.traced:
+                self._trace_delivery(request, output)
+            outputs.append(output)
+        return outputs
+
+    # -- control -------------------------------------------------------------------------
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Call a worker method on every worker; see :meth:`DiffusionExecutor.collective_rpc`."""
+        self._check_alive()
+        return self.executor.collective_rpc(method, args, kwargs or {}, timeout, unique_reply_rank)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Per-request state held by the scheduler, the runner and the executor."""
+        alive = self._dead is None and not self._shut_down
+        cached = self.collective_rpc("cached_request_ids", unique_reply_rank=0) if alive else []
+        return EngineSnapshot(
+            scheduler_ids=frozenset(self.scheduler.requests),
+            running_ids=frozenset(self.scheduler.running),
+            waiting=self.scheduler.num_waiting,
+            runner_cached_ids=frozenset(cached),
+            executor_held_ids=self.executor.held_request_ids(),
+            unclaimed_stream_ids=frozenset(),
+        )
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why the core died, or ``None`` while it lives."""
+        return self._dead
+
+    def shutdown(self, reason: str = "the engine was shut down") -> list[RequestOutput]:
+        """Abort every active request, let the workers drop their state, and stop
+        the executor. Returns the final outputs of the requests it ended.
+        Idempotent; a dead core only stops its executor."""
+        if self._shut_down:
+            return []
+        self._shut_down = True
+        outputs: list[RequestOutput] = []
+        try:
+            if self._dead is None:
+                outputs = self._pending + [
+                    self._final_output(ended, None)
+                    for ended in self.scheduler.finish_all(Trigger.ABORT, reason)
+                ]
+                self._pending = []
+                self._release_everything_on_workers()
+        finally:
+            self.executor.shutdown()
+            if self._dead is None:
+                self._end_trace(EngineEvent("closed", time.monotonic()))
+        return outputs
+
+    # -- death ---------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._shut_down:
+            raise EngineDeadError("the engine core was shut down")
+
+    def _die(self, error: EngineDeadError) -> None:
+        """Fail every request (their outputs are not returned: callers get ``error``)."""
+        if self._dead is not None:
+            return
+        self._dead = error
+        self._pending = []
+        try:
+            self.scheduler.finish_all(Trigger.FAIL, str(error))
+        except Exception:  # the core is dying: report, never hide the cause
+            logger.exception("a hook failed while the core's requests were failed")
+        finally:
+            self._end_trace(EngineEvent("dead", time.monotonic(), str(error)))
+
+    def _release_everything_on_workers(self) -> None:
+        """Let the workers drop the state of requests ended by shutdown (best effort)."""
+        if self.executor.is_failed:
+            return
+        try:
+            self._send_release()
+        except EngineDeadError:
+            logger.warning("the executor died while shutting down")
+
+    def _send_release(self) -> None:
+        """An output that runs nothing and only tells the workers which ids finished."""
+        self._release_due = False
+        release = self._trace_wave(self.scheduler.schedule_release())
+        if release is not None:
+            self._trace_runner(self._execute(release))
+
+    def _release_executor_bookkeeping(self, request: Request, event: LifecycleEvent) -> None:
+        self.executor.release_request(request.request_id)
+
+    # -- tracing -------------------------------------------------------------------------
+
+    def _start_trace(self) -> None:
+        config = self.config
+        if config.trace_path is not None:
+            self._trace_writer = JsonlTraceWriter(config.trace_path)
+            self.machine.subscribe(self._trace_writer)
+        if config.audit != "off":
+            self.auditor = Auditor(on_violation=self._on_violation)
+            self.machine.subscribe(self.auditor.feed)
+        if self.machine.traced:
+            self.machine.publish(EngineEvent("started", time.monotonic()))
+
+    def _on_violation(self, violation: Violation) -> None:
+        logger.error("invariant violated: %s", violation.describe())
+        if self.config.audit == "raise":
+            raise InvariantViolation(violation)
+
+    def _end_trace(self, event: EngineEvent) -> None:
+        """Publish the core's last event, run the auditor's end checks, close the trace."""
+        try:
+            if self.machine.traced:
+                self.machine.publish(event)
+            if self.auditor is not None:
+                try:
+                    self.auditor.finish()
+                except InvariantViolation:
+                    logger.error("the engine ended with invariant violations")
+        finally:
+            if self._trace_writer is not None:
+                self._trace_writer.close()
+
+    def _trace_wave(self, output: SchedulerOutput | None) -> SchedulerOutput | None:
+        if output is not None and self.machine.traced:
+            # A wave's runner event is published only if its wave event was: a
+            # subscriber that joins mid-wave never sees a result without its wave.
+            self._traced_waves.add(output.wave_id)
+            self.machine.publish(
+                WaveEvent(
+                    output.wave_id,
+                    tuple(r.request_id for r in output.scheduled_new_reqs),
+                    output.scheduled_cached_ids,
+                    output.finished_ids,
+                    time.monotonic(),
+                )
+            )
+        return output
+
+    def _trace_runner(self, result: RunnerOutput) -> None:
+        if result.wave_id in self._traced_waves:
+            self._traced_waves.discard(result.wave_id)
+            self.machine.publish(
+                RunnerEvent(
+                    result.wave_id,
+                    tuple(result.executed),
+                    tuple(result.images),
+                    tuple(result.progress),
+                    tuple(result.errors),
+                    tuple(result.created),
+                    tuple(result.released),
+                    time.monotonic(),
+                )
+            )
+
+    def _trace_delivery(self, request: Request, output: RequestOutput) -> None:
+        images = output.image_batch
+        self.machine.publish(
+            DeliveryEvent(
+                request.request_id,
+                output.status,
+                finished=output.finished,
+                digest="" if images is None else _digest(images),
+                fingerprint=_fingerprint(request),
+                time=time.monotonic(),
+            )
+        )
+
+
+class _WaveInterrupted(Exception):
+    """A KeyboardInterrupt stopped a wave; the wave's requests have failed."""
+
+
+def _as_dead(exc: BaseException) -> EngineDeadError:
+    if isinstance(exc, EngineDeadError):
+        return exc
+    if isinstance(exc, Exception):
+        logger.exception("the engine core failed")
+    return EngineDeadError(f"the engine core failed: {describe_error(exc)}")
+
+
+def _digest(images: torch.Tensor) -> str:
+    """A fingerprint of an image tensor's bytes."""
+    raw = images.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(raw, digest_size=12).hexdigest()
+
+
+def _fingerprint(request: Request) -> str:
+    """A fingerprint of everything a request's output may depend on."""
+    p = request.params
+    inputs = (
+        repr(request.prompt),
+        request.seed,
+        p.num_inference_steps,
+        p.guidance_scale,
+        p.num_outputs_per_prompt,
+        p.height,
+        p.width,
+        sorted((k, repr(v)) for k, v in p.extra_args.items()),
+    )
+    return hashlib.blake2b(repr(inputs).encode(), digest_size=12).hexdigest()
