@@ -1,16 +1,24 @@
-"""Digits throughput: images/s alone and in batches, through the engine vs the pipeline directly.
+"""Digits throughput: the engine against the pipeline called directly, side by side.
 
-For each batch size B, B requests (25 steps, one image each) run as one
-``generate`` call through a request-mode engine with ``max_num_seqs=B``, and
-as one direct ``pipeline.forward`` of the same B requests on the calling
-thread; both are repeated and the best time is kept. The engine runs the
-pipeline on its loop thread, measured with torch's default thread count and
-with ``intra_op_threads=1`` (often faster for this small model on few cores).
+For each batch size B, B requests (25 steps, one image each) run as
+
+- one direct ``pipeline.forward`` of the B requests on the calling thread;
+- one ``generate`` call through a request-mode engine with the uni executor
+  (``max_num_seqs=B``), which drives the core on the calling thread;
+- the same through the mp executor with one worker process;
+- B ``add_request`` calls read with ``stream`` on an asyncio loop (uni), where
+  the engine's loop thread drives the core.
+
+The four are timed in interleaved rounds, in one process, and the best round
+of each is kept; ratios compare them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,17 +30,24 @@ from diffusion_runtime.pipelines.protocols import PipelineRequest
 from diffusion_runtime.sampling_params import SamplingParams
 
 
-def best_of(repeats: int, fn: Any) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def read_all_async(engine: DiffusionEngine, prompts: list[str], params: SamplingParams) -> None:
+    async def run() -> None:
+        ids = [await engine.add_request(p, params) for p in prompts]
+        for rid in ids:
+            async for _ in engine.stream(rid):
+                pass
+
+    asyncio.run(run())
 
 
 def run(
-    batch_sizes: tuple[int, ...] = (1, 8, 64), steps: int = 25, repeats: int = 5
+    batch_sizes: tuple[int, ...] = (1, 8, 64), steps: int = 25, repeats: int = 7
 ) -> dict[str, Any]:
     params = SamplingParams(num_inference_steps=steps, seed=0)
     pipeline = DigitsPipeline("cpu")
@@ -48,21 +63,32 @@ def run(
             with torch.inference_mode():
                 pipeline.forward(requests)
 
-        through_engine = {}
-        for threads in (None, 1):
-            config = EngineConfig(
-                pipeline="digits", device="cpu", max_num_seqs=size, intra_op_threads=threads
+        def config(backend: str, size: int = size) -> EngineConfig:
+            return EngineConfig(
+                pipeline="digits", device="cpu", max_num_seqs=size, executor_backend=backend
             )
-            with DiffusionEngine.make_engine(config) as engine:
-                through_engine[threads] = best_of(
-                    repeats, lambda prompts=prompts: engine.generate(prompts, params)
-                )
-        direct_s = best_of(repeats, direct)
+
+        with (
+            DiffusionEngine.make_engine(config("uni")) as uni,
+            DiffusionEngine.make_engine(config("mp")) as mp,
+            DiffusionEngine.make_engine(config("uni")) as uni_async,
+        ):
+            batch = list(prompts)
+            variants: dict[str, Callable[[], Any]] = {
+                "direct": direct,
+                "generate_uni": functools.partial(uni.generate, batch, params),
+                "generate_mp": functools.partial(mp.generate, batch, params),
+                "async_uni": functools.partial(read_all_async, uni_async, batch, params),
+            }
+            best = dict.fromkeys(variants, float("inf"))
+            for _ in range(repeats):
+                for name, fn in variants.items():
+                    best[name] = min(best[name], timed(fn))
+        per_s = {name: round(size / seconds, 1) for name, seconds in best.items()}
         results["batches"][str(size)] = {
-            "direct_images_per_s": round(size / direct_s, 1),
-            "engine_images_per_s": round(size / through_engine[None], 1),
-            "engine_over_direct": round(direct_s / through_engine[None], 3),
-            "engine_1_thread_images_per_s": round(size / through_engine[1], 1),
-            "engine_1_thread_over_direct": round(direct_s / through_engine[1], 3),
+            "images_per_s": per_s,
+            "generate_over_direct": round(best["direct"] / best["generate_uni"], 3),
+            "mp_over_uni": round(best["generate_uni"] / best["generate_mp"], 3),
+            "async_over_generate": round(best["generate_uni"] / best["async_uni"], 3),
         }
     return results
