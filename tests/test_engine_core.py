@@ -122,3 +122,4 @@ def test_outputs_are_bit_identical_to_the_pipeline_called_directly() -> None:
         assert outputs[0].image_batch is not None and torch.equal(outputs[0].image_batch, direct)
     finally:
         core.shutdown()
+
