@@ -46,7 +46,6 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pipeline-arg",
         action="append",
-        default=[],
         metavar="NAME=VALUE",
         help="a keyword argument of the pipeline's factory (repeatable), e.g. path=DIR",
     )
@@ -63,7 +62,7 @@ def _engine_config(args: argparse.Namespace, *, stream_progress: bool = False) -
 
     ``stream_progress`` in step mode asks for an output per denoising step.
     """
-    pipeline_kwargs = parse_pipeline_args(args.pipeline_arg)
+    pipeline_kwargs = parse_pipeline_args(args.pipeline_arg or [])
     check_pipeline(args.pipeline, pipeline_kwargs)
     return EngineConfig(
         pipeline=args.pipeline,
@@ -261,10 +260,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate = command("generate", "generate images and write PNGs")
     generate.add_argument("prompts", nargs="*", help="prompts (default: the ten digits)")
     _sampling_options(generate)
-    generate.add_argument("--seed", type=int, default=0, help="seed of the first prompt")
+    generate.add_argument(
+        "--seed", type=int, default=0, help="seed of the first prompt; prompt i gets seed + i"
+    )
     generate.add_argument("--num-outputs", type=int, default=1, help="images per prompt")
     generate.add_argument(
-        "--size", type=int, default=None, help="output size in pixels (digits default: 64)"
+        "--size",
+        type=int,
+        default=None,
+        help="output size in pixels (default: 64 for digits, else the pipeline's own)",
     )
     generate.add_argument("--out", default="out", help="output directory")
     _engine_options(generate)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 from diffusion_runtime import DiffusionEngine, SamplingParams
@@ -61,6 +62,21 @@ def test_a_pipeline_that_cannot_be_built_is_refused(
     run = run_cli("generate", "--pipeline", pipeline, "--device", "cpu", cwd=tmp_path)
     assert_refused(run, message)
     assert not (tmp_path / "out").exists()
+
+
+def test_pipeline_args_reach_the_factory(tmp_path: Path) -> None:
+    run = run_cli(
+        "generate", "a", "--pipeline", "testing-noise", "--pipeline-arg", "size=8",
+        "--pipeline-arg", "channels=1", "--steps", "2", "--device", "cpu", cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    with Image.open(tmp_path / "out" / "000-a-0.png") as image:
+        assert (image.size, image.mode) == ((8, 8), "L")
+
+
+def test_a_malformed_pipeline_arg_is_refused(tmp_path: Path) -> None:
+    run = run_cli("generate", "--pipeline-arg", "size", "--device", "cpu", cwd=tmp_path)
+    assert_refused(run, "--pipeline-arg 'size' must have the form NAME=VALUE")
 
 
 def test_an_out_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
