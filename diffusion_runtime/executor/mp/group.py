@@ -13,7 +13,12 @@ from multiprocessing.process import BaseProcess
 from diffusion_runtime.errors import DiffusionRuntimeError, EngineDeadError
 from diffusion_runtime.executor.mp.messages import Ready, StartFailed, Stop, dumps, loads
 from diffusion_runtime.executor.mp.spec import WorkerSpec
-from diffusion_runtime.executor.mp.worker_proc import run_worker
+from diffusion_runtime.executor.mp.worker_proc import (
+    MAIN_GUARD_ADVICE,
+    UNGUARDED_MAIN_EXIT_CODE,
+    exit_if_starting_as_worker,
+    run_worker,
+)
 
 
 class WorkerStartError(DiffusionRuntimeError):
@@ -42,6 +47,7 @@ class WorkerGroup:
     """
 
     def __init__(self, specs: Sequence[WorkerSpec], start_timeout: float) -> None:
+        exit_if_starting_as_worker()
         context = multiprocessing.get_context("spawn")
         self.processes: list[BaseProcess] = []
         self._commands: list[Connection] = []
@@ -204,7 +210,10 @@ class WorkerGroup:
 
     def _died(self, rank: int) -> str:
         pid = self.processes[rank].pid
-        return f"its process (pid {pid}) {self._exit_status(rank)} during start-up"
+        died = f"its process (pid {pid}) {self._exit_status(rank)} during start-up"
+        if self.processes[rank].exitcode == UNGUARDED_MAIN_EXIT_CODE:
+            return f"{died}: {MAIN_GUARD_ADVICE}"
+        return died
 
 
 def _send(connection: Connection, data: bytes, rank: int) -> None:

@@ -58,6 +58,30 @@ from diffusion_runtime.runner.worker import Worker, worker_device
 
 logger = logging.getLogger(__name__)
 
+#: The exit status of a process that tried to start workers while it was itself
+#: starting up as a worker: the main module created an engine without a guard.
+UNGUARDED_MAIN_EXIT_CODE = os.EX_CONFIG
+
+MAIN_GUARD_ADVICE = (
+    "worker processes are started with 'spawn', which imports the main module "
+    "again in each worker; that import created another engine. Create mp engines "
+    'under `if __name__ == "__main__":` in the main module (or in a function it calls)'
+)
+
+
+def exit_if_starting_as_worker() -> None:
+    """Refuse to start workers from a process that is still starting as a worker.
+
+    Under 'spawn', a worker imports the main module before it runs; an engine
+    created at that module's top level would start workers of its own, forever.
+    This process says why on stderr and exits with
+    :data:`UNGUARDED_MAIN_EXIT_CODE`, which the parent reports with the same advice.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        sys.stderr.write(f"diffusion-runtime: {MAIN_GUARD_ADVICE}\n")
+        sys.stderr.flush()
+        raise SystemExit(UNGUARDED_MAIN_EXIT_CODE)
+
 
 def run_worker(
     spec: WorkerSpec, commands: Connection, side: Connection | None, results: Connection
