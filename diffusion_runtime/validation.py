@@ -15,7 +15,7 @@ import attrs
 import numpy
 import torch
 
-from diffusion_runtime.errors import InvalidFieldError, describe_value
+from diffusion_runtime.errors import InvalidFieldError
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
@@ -25,19 +25,6 @@ MAX_INPUT_DEPTH = 32
 MAX_INPUT_BYTES = 64 * 1024 * 1024
 #: What an item of unknown size (a number, an object) counts towards the size.
 _ITEM_BYTES = 8
-
-__all__ = [
-    "MAX_INPUT_BYTES",
-    "MAX_INPUT_DEPTH",
-    "bounded_input",
-    "describe_value",
-    "fail",
-    "finite_in_range",
-    "int_in_range",
-    "is_bool",
-    "one_of",
-    "str_keyed_dict",
-]
 
 
 def _fail(instance: object, attribute: attrs.Attribute[Any], rule: str, value: object) -> None:

@@ -89,6 +89,11 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
     return True
 
 
+def process_exists(pid: int) -> bool:
+    """Whether ``pid`` is running or waiting to be reaped."""
+    return os.path.exists(f"/proc/{pid}")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def nothing_left_behind() -> Iterator[None]:
     """After this module (one executor is shared by the RPC tests): nothing left running."""
@@ -138,6 +143,7 @@ def test_a_stopped_worker_fails_every_caller_within_the_bound_and_close_returns(
         engine.close()
     assert time.monotonic() - started <= GRACE_S + 1.0
     assert engine_threads() == []
+    assert not [pid for pid in pids if process_exists(pid)]
 
 
 def test_close_returns_while_a_worker_is_stopped_between_waves(stopped_pids: list[int]) -> None:
@@ -148,6 +154,7 @@ def test_close_returns_while_a_worker_is_stopped_between_waves(stopped_pids: lis
     started = time.monotonic()
     engine.close()
     assert time.monotonic() - started <= GRACE_S + 1.0
+    assert not [pid for pid in pids if process_exists(pid)]
 
 
 def test_a_full_pipe_blocks_a_send_only_until_writes_are_abandoned() -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
-from diffusion_runtime.errors import InvalidFieldError, RPCError
-from diffusion_runtime.validation import describe_value
+from diffusion_runtime.errors import InvalidFieldError, RPCError, describe_value
 
 _OWNER = "collective_rpc"
+_NO_LIMIT_S = 1e9
 
 
 def checked_method(method: object) -> str:
@@ -20,22 +18,21 @@ def checked_method(method: object) -> str:
 
 
 def checked_timeout(timeout: object) -> float | None:
-    """Seconds to wait, or None for no limit (``None`` or ``inf``).
+    """Seconds to wait, or None for no limit.
 
-    A positive finite number is a limit; ``nan``, negatives, zero and
-    non-numbers are refused.
+    ``None`` and ``inf`` mean no limit, and so do limits of 10⁹ s (about 31
+    years) or more, which a thread wait may refuse. ``nan``, negatives, zero
+    and non-numbers are refused.
     """
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise InvalidFieldError(_OWNER, "timeout", "must be a number of seconds or None", timeout)
-    if isinstance(timeout, float) and math.isinf(timeout) and timeout > 0:
-        return None
-    if not (timeout > 0 and (isinstance(timeout, int) or math.isfinite(timeout))):
+    if not timeout > 0:  # also refuses nan
         raise InvalidFieldError(
             _OWNER, "timeout", "must be a positive number of seconds, inf or None", timeout
         )
-    return float(timeout) if timeout < 1e9 else None
+    return float(timeout) if timeout < _NO_LIMIT_S else None
 
 
 def checked_reply_rank(rank: object, num_workers: int) -> int | None:
