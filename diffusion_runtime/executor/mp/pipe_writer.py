@@ -18,6 +18,8 @@ from diffusion_runtime.executor.mp.wakeup import Wakeup
 
 #: Larger frames use the long header, as ``Connection.send_bytes`` does.
 _SHORT_FRAME_MAX = 0x7FFFFFFF
+#: Frames up to this size are written with their header in one call.
+_JOINED_FRAME_MAX = 16 * 1024
 
 
 def frame_header(size: int) -> bytes:
@@ -49,7 +51,9 @@ class PipeWriter:
         were abandoned while the pipe was full."""
         if self._broken:
             raise EngineDeadError(f"the pipe to worker {self._rank} was abandoned mid-frame")
-        for part in (frame_header(len(data)), data):
+        header = frame_header(len(data))
+        parts = (header + data,) if len(data) <= _JOINED_FRAME_MAX else (header, data)
+        for part in parts:
             view = memoryview(part)
             while view:
                 view = view[self._write_some(view) :]
