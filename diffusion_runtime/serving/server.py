@@ -1,0 +1,106 @@
+"""Running the app under uvicorn: in the foreground (``serve``) or on a background thread."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.serving.app import build_app, served_model_name
+from diffusion_runtime.serving.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``port=0``: a free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def serve(
+    engine_config: EngineConfig,
+    server_config: ServerConfig | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+) -> None:
+    """Start an engine, serve it over HTTP until interrupted, then close it."""
+    server_config = server_config if server_config is not None else ServerConfig()
+    with DiffusionEngine.make_engine(engine_config) as engine:
+        app = build_app(engine, server_config)
+        sock = bound_socket(host, port)
+        with sock:
+            logger.warning(
+                "serving model %r at %s (POST /v1/images/generations, GET /metrics)",
+                served_model_name(engine, server_config),
+                url_of(sock),
+            )
+            server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+            server.run(sockets=[sock])
+
+
+class ServerThread:
+    """Serves an app with uvicorn on a background thread (tests, benchmarks, notebooks).
+
+    Binds ``host:port`` at once (``port=0``: a free port, read back from
+    :attr:`url`), starts serving on :meth:`start` and stops, waiting for the
+    thread and closing the socket, on :meth:`close` or at the end of a
+    ``with`` block.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._socket = bound_socket(host, port)
+        self.url = url_of(self._socket)
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        )
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, name="uvicorn-server"
+        )
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        """Start serving; return once the server accepts connections."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server stopped while starting (see its log)")
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"the server did not start within {timeout_s} s")
+            time.sleep(0.01)
+        return self
+
+    def close(self) -> None:
+        """Stop serving (the app's lifespan ends) and release the thread and socket."""
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join()
+        self._socket.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
