@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
@@ -14,8 +18,6 @@ from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.serving.app import build_app, served_model_name
 from diffusion_runtime.serving.config import ServerConfig
-
-logger = logging.getLogger(__name__)
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
@@ -49,15 +51,30 @@ def serve(
     server_config = server_config if server_config is not None else ServerConfig()
     with DiffusionEngine.make_engine(engine_config) as engine:
         app = build_app(engine, server_config)
-        sock = bound_socket(host, port)
-        with sock:
-            logger.warning(
+        config = uvicorn.Config(app, log_level=log_level)  # also sets up uvicorn's logging
+        with bound_socket(host, port) as sock:
+            logging.getLogger("uvicorn.error").info(
                 "serving model %r at %s (POST /v1/images/generations, GET /metrics)",
                 served_model_name(engine, server_config),
                 url_of(sock),
             )
-            server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
-            server.run(sockets=[sock])
+            with _sigterm_as_interrupt(), contextlib.suppress(KeyboardInterrupt):
+                # uvicorn shuts down gracefully, then raises the signal again.
+                uvicorn.Server(config).run(sockets=[sock])
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Make SIGTERM end the server like Ctrl-C, so the engine is closed on the way out."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class ServerThread:
