@@ -212,6 +212,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _engine_config(args),
         max_waiting_requests=args.max_queue_len,
         streaming_output=args.stream_progress,
+        intra_op_threads=args.intra_op_threads,
+        request_batch_max_wait_ms=args.batch_wait_ms,
     )
     server_config = ServerConfig(model_name=args.model_name, per_client_limit=args.per_client_limit)
     serve(engine_config, server_config, host=args.host, port=args.port)
@@ -260,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--per-client-limit", type=int, default=None, help="in flight per client")
     serve.add_argument(
         "--stream-progress", action="store_true", help="step mode with progress for stream=true"
+    )
+    serve.add_argument("--intra-op-threads", type=int, default=None, help="torch threads")
+    serve.add_argument(
+        "--batch-wait-ms", type=float, default=0.0, help="wait this long for a fuller wave"
     )
     _engine_options(serve)
     serve.set_defaults(func=cmd_serve)

@@ -22,7 +22,13 @@ from diffusion_runtime.serving.disconnect import ClientDisconnected, unless_disc
 from diffusion_runtime.serving.errors import APIError, bad_field, engine_error
 from diffusion_runtime.serving.event_stream import KEEPALIVE, EventStreamResponse, sse_event
 from diffusion_runtime.serving.http_metrics import HttpMetrics
-from diffusion_runtime.serving.images import ImageStore, b64, png_images, size_of
+from diffusion_runtime.serving.images import (
+    ImageStore,
+    b64,
+    encodes_inline,
+    png_images,
+    size_of,
+)
 from diffusion_runtime.serving.metrics import EngineMetrics
 from diffusion_runtime.serving.params import check_model, sampling_params_for
 from diffusion_runtime.serving.request_outputs import OutputReaders, RequestOutputs
@@ -122,7 +128,7 @@ class ImageGeneration:
         self, final: RequestOutput, params: SamplingParams, response_format: str, request: Request
     ) -> JSONResponse:
         self._check_final(final, params)
-        pngs = await anyio.to_thread.run_sync(png_images, final)
+        pngs = await encode(final)
         if response_format == "url":
             data = [
                 ImageData(url=str(request.url_for("image_file", name=self.store.put(png))))
@@ -152,7 +158,7 @@ class ImageGeneration:
             if not output.finished:
                 yield sse_event(_progress_event(output))
                 if output.image_batch is not None:
-                    for png in await anyio.to_thread.run_sync(png_images, output):
+                    for png in await encode(output):
                         yield sse_event(
                             _image_event("image_generation.partial_image", output, png)
                             | {"partial_image_index": partial_index}
@@ -164,12 +170,19 @@ class ImageGeneration:
             except APIError as error:
                 yield sse_event(_error_event(error))
                 return
-            for index, png in enumerate(await anyio.to_thread.run_sync(png_images, output)):
+            for index, png in enumerate(await encode(output)):
                 yield sse_event(
                     _image_event("image_generation.completed", output, png)
                     | {"image_index": index, "seed": output.seed}
                 )
             return
+
+
+async def encode(output: RequestOutput) -> list[bytes]:
+    """``output``'s images as PNGs; large ones on a worker thread, so the loop keeps serving."""
+    if encodes_inline(output):
+        return png_images(output)
+    return await anyio.to_thread.run_sync(png_images, output)
 
 
 def _progress_event(output: RequestOutput) -> dict[str, Any]:
