@@ -5,11 +5,15 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -364,3 +368,24 @@ def test_a_client_disconnect_aborts_its_request_and_frees_everything(
         assert served.metric("diffusion_requests_total", status="completed") == 0
         wait_until(lambda: held_nothing(served.engine))
         assert served.metric("diffusion_requests_running") == 0
+
+
+def test_the_serve_command_starts_with_no_arguments_and_stops_on_sigterm(tmp_path: Path) -> None:
+    log_path = tmp_path / "serve.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "diffusion_runtime.cli", "serve", "--port", "0"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            url_line = re.compile(r"serving model 'digits' at (http://127\.0\.0\.1:\d+)")
+            wait_until(lambda: url_line.search(log_path.read_text()) is not None, 120)
+            match = url_line.search(log_path.read_text())
+            assert match is not None
+            assert httpx.get(f"{match.group(1)}/health").json() == {"status": "ok"}
+        finally:
+            process.terminate()
+            code = process.wait(60)
+    assert code == 0, log_path.read_text()
+    assert "Application shutdown complete" in log_path.read_text()
