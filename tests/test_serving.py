@@ -25,9 +25,10 @@ from conftest import engine_threads, factory_of
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from diffusion_runtime import DiffusionEngine, EngineConfig
+from diffusion_runtime import DiffusionEngine, EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.pipelines.digits import DigitClassifier
-from diffusion_runtime.serving import ServerConfig, ServerThread, build_app
+from diffusion_runtime.serving import EngineMetrics, ServerConfig, ServerThread, build_app
+from diffusion_runtime.serving.images import ImageStore
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline
 
 GENERATIONS = "/v1/images/generations"
@@ -389,3 +390,31 @@ def test_the_serve_command_starts_with_no_arguments_and_stops_on_sigterm(tmp_pat
             code = process.wait(60)
     assert code == 0, log_path.read_text()
     assert "Application shutdown complete" in log_path.read_text()
+
+
+def test_engine_metrics_work_without_http() -> None:
+    with DiffusionEngine.make_engine(EngineConfig(pipeline="digits", device="cpu")) as engine:
+        metrics = EngineMetrics(engine)
+        metrics.attach()
+        engine.generate(["1", "2"], SamplingParams(num_inference_steps=FEW_STEPS))
+        metrics.detach()
+        engine.generate(["3"], SamplingParams(num_inference_steps=FEW_STEPS))
+    registry = metrics.registry
+    assert registry.get_sample_value("diffusion_requests_total", {"status": "completed"}) == 2
+    assert registry.get_sample_value("diffusion_e2e_latency_seconds_count") == 2
+    assert registry.get_sample_value("diffusion_engine_healthy") == 0  # closed since
+
+
+def test_the_image_store_forgets_the_oldest_and_the_expired() -> None:
+    store = ImageStore(capacity=2, ttl_s=3600)
+    names = [store.put(bytes([i])) for i in range(3)]
+    assert [store.get(name) for name in names] == [None, b"\x01", b"\x02"]
+    expiring = ImageStore(capacity=2, ttl_s=0)
+    assert expiring.get(expiring.put(b"png")) is None
+
+
+def test_server_config_names_the_field_it_refuses() -> None:
+    with pytest.raises(InvalidFieldError, match=r"ServerConfig\.max_body_bytes"):
+        ServerConfig(max_body_bytes=0)
+    with pytest.raises(InvalidFieldError, match=r"ServerConfig\.model_name"):
+        ServerConfig(model_name=" ")

@@ -36,6 +36,3 @@ class ClientLimiter:
             self._in_flight[client] = remaining
         else:
             del self._in_flight[client]
-
-    def in_flight(self, client: str) -> int:
-        return self._in_flight.get(client, 0)

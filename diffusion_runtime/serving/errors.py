@@ -12,7 +12,6 @@ from starlette.exceptions import HTTPException
 
 from diffusion_runtime.errors import (
     DiffusionRuntimeError,
-    DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
     InvalidFieldError,
@@ -85,8 +84,6 @@ def engine_error(exc: DiffusionRuntimeError, retry_after_s: int) -> APIError:
             error_type="server_error",
             code="engine_unavailable",
         )
-    if isinstance(exc, DuplicateRequestError):
-        return APIError(409, str(exc), code="duplicate_request")
     return internal_error(exc)
 
 

@@ -88,9 +88,6 @@ class ImageStore:
         entry = self._images.get(name)
         return None if entry is None else entry[1]
 
-    def __len__(self) -> int:
-        return len(self._images)
-
     def _expire(self) -> None:
         now = time.monotonic()
         while self._images:

@@ -53,7 +53,7 @@ class EngineMetrics:
 
     Call :meth:`attach` to start counting and :meth:`detach` to stop. The
     subscriber runs on the engine's threads, so it only updates thread-safe
-    metrics and two small dicts under a lock. Requests admitted before
+    metrics and a few small tables under a lock. Requests admitted before
     :meth:`attach` are counted when they end but have no latency.
     """
 
@@ -111,6 +111,7 @@ class EngineMetrics:
         self._lock = threading.Lock()
         self._admitted_at: dict[str, float] = {}
         self._scheduled_at: dict[str, float] = {}
+        self._running: set[str] = set()
         self._attached = False
 
     def attach(self) -> None:
@@ -127,6 +128,7 @@ class EngineMetrics:
             with self._lock:
                 self._admitted_at.clear()
                 self._scheduled_at.clear()
+                self._running.clear()
 
     def observe(self, event: TraceEvent) -> None:
         """The engine's event subscriber."""
@@ -156,10 +158,13 @@ class EngineMetrics:
             with self._lock:
                 self._admitted_at[rid] = event.time
             return
-        if event.source is RequestStatus.RUNNING:
-            self.running.dec()
+        with self._lock:  # a set, not inc/dec: a request running before attach is no -1
+            if event.source is RequestStatus.RUNNING:
+                self._running.discard(rid)
+            if event.dest is RequestStatus.RUNNING:
+                self._running.add(rid)
+            self.running.set(len(self._running))
         if event.dest is RequestStatus.RUNNING:
-            self.running.inc()
             with self._lock:
                 first = rid not in self._scheduled_at
                 self._scheduled_at.setdefault(rid, event.time)

@@ -37,7 +37,6 @@ class ImageData(BaseModel):
 
     b64_json: str | None = None
     url: str | None = None
-    revised_prompt: str | None = None
 
 
 class ImagesResponse(BaseModel):
