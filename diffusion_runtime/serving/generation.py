@@ -105,7 +105,8 @@ class ImageGeneration:
             self.http_metrics.disconnects.inc()
             outputs.abandon("the HTTP client disconnected")
 
-    def _check_final(self, final: RequestOutput, params: SamplingParams) -> None:
+    def _accept_final(self, final: RequestOutput, params: SamplingParams) -> None:
+        """Count a completed request's steps; raise the API's error for any other ending."""
         if final.ok:
             if final.num_steps is None:  # request mode: the engine reported no steps
                 self.metrics.count_steps(params.num_inference_steps)
@@ -127,7 +128,7 @@ class ImageGeneration:
     async def _answer(
         self, final: RequestOutput, params: SamplingParams, response_format: str, request: Request
     ) -> JSONResponse:
-        self._check_final(final, params)
+        self._accept_final(final, params)
         pngs = await encode(final)
         if response_format == "url":
             data = [
@@ -166,7 +167,7 @@ class ImageGeneration:
                         partial_index += 1
                 continue
             try:
-                self._check_final(output, params)
+                self._accept_final(output, params)
             except APIError as error:
                 yield sse_event(_error_event(error))
                 return
