@@ -55,6 +55,7 @@ def serve_process(config: EngineConfig, timeout_s: float = 120.0) -> Iterator[Se
     command = [
         sys.executable, "-m", "diffusion_runtime.cli", "serve", "--port", "0",
         "--device", config.device, "--max-num-seqs", str(config.max_num_seqs),
+        "--mode", config.execution_mode,
         "--max-queue-len", "4096", "--batch-wait-ms", str(config.request_batch_max_wait_ms),
     ]  # fmt: skip
     if config.intra_op_threads is not None:
