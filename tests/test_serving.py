@@ -422,3 +422,33 @@ def test_server_config_names_the_field_it_refuses() -> None:
         ServerConfig(max_body_bytes=0)
     with pytest.raises(InvalidFieldError, match=r"ServerConfig\.model_name"):
         ServerConfig(model_name=" ")
+
+
+def test_a_quiet_stream_sends_keep_alives_until_its_images() -> None:
+    config = EngineConfig(pipeline="digits", device="cpu")
+    with serving(config, ServerConfig(stream_keepalive_s=0.01)) as served:
+        served.engine.pause()
+        body = {"prompt": "6", "stream": True, "num_inference_steps": FEW_STEPS}
+        kinds, resumed = [], False
+        with served.http.stream("POST", GENERATIONS, json=body) as answer:
+            for line in answer.iter_lines():
+                if line == ": keep-alive" and not resumed:
+                    assert served.engine.queue_length == 1  # the request waits, the stream says so
+                    served.engine.resume()
+                    resumed = True
+                elif line.startswith("data: "):
+                    kinds.append(json.loads(line.removeprefix("data: "))["type"])
+        assert resumed
+        assert kinds == ["image_generation.completed"]
+
+
+def test_a_stream_whose_engine_dies_ends_with_an_error_event(
+    faults: FaultInjectingPipeline,
+) -> None:
+    with serving(fault_config(faults, execution_mode="step")) as served:
+        body = {"prompt": "device-fault", "stream": True}
+        with served.http.stream("POST", GENERATIONS, json=body) as answer:
+            lines = [line for line in answer.iter_lines() if line.startswith("data: ")]
+        events = [json.loads(line.removeprefix("data: ")) for line in lines]
+        assert [e["type"] for e in events] == ["error"]
+        assert events[0]["error"]["code"] == "engine_unavailable"
