@@ -209,13 +209,21 @@ def test_a_body_that_is_not_json_gets_a_400(digits: Served) -> None:
     assert answer.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_an_oversized_body_gets_a_413_before_it_is_read(digits: Served) -> None:
+def test_an_oversized_body_gets_a_413(digits: Served) -> None:
     before = digits.metric("diffusion_http_refused_total", reason="body_too_large")
     answer = digits.http.post(GENERATIONS, content=b"x" * 70_000)
     assert answer.status_code == 413
     assert answer.json()["error"]["code"] == "body_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        for _ in range(10):
+            yield b"x" * 10_000
+
+    chunked = digits.http.post(GENERATIONS, content=chunks())
+    assert chunked.status_code == 413
+    assert chunked.json()["error"]["param"] == "body"
     after = digits.metric("diffusion_http_refused_total", reason="body_too_large")
-    assert after == before + 1
+    assert after == before + 2
 
 
 def test_an_unknown_model_or_path_gets_a_404(digits: Served) -> None:

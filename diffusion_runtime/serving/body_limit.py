@@ -16,6 +16,8 @@ class BodySizeLimit:
     A declared ``Content-Length`` over the limit is refused before reading; a
     chunked body is counted as it arrives and refused (through the app's error
     handlers) once it outgrows the limit. ``on_refused`` is told each time.
+    (FastAPI's own ``max_body_size`` answers a too-long ``Content-Length`` in
+    plain text, not with the API's error object.)
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int, on_refused: Callable[[], None]) -> None:

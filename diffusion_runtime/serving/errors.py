@@ -114,8 +114,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
-        code = HTTP_ERROR_CODES.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+        status = exc.status_code
+        param = "body" if status == 413 else None
+        code = HTTP_ERROR_CODES.get(status)
+        return APIError(
+            status, str(exc.detail), param=param, code=code, headers=exc.headers
+        ).response()
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         return internal_error(exc).response()

@@ -19,6 +19,9 @@ from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.serving.app import build_app, served_model_name
 from diffusion_runtime.serving.config import ServerConfig
 
+#: Seconds that requests in flight get to finish once the server is told to stop.
+SHUTDOWN_GRACE_S = 5
+
 
 def bound_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (``port=0``: a free port)."""
@@ -54,7 +57,11 @@ def serve(
     server_config = server_config if server_config is not None else ServerConfig()
     with DiffusionEngine.make_engine(engine_config) as engine:
         app = build_app(engine, server_config)
-        config = uvicorn.Config(app, log_level=log_level)  # also sets up uvicorn's logging
+        # Also sets up uvicorn's logging. Requests still running after the grace
+        # period are cancelled, which aborts them in the engine.
+        config = uvicorn.Config(
+            app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+        )
         with bound_socket(host, port) as sock:
             logging.getLogger("uvicorn.error").info(
                 "serving model %r at %s (POST /v1/images/generations, GET /metrics)",
@@ -93,7 +100,7 @@ class ServerThread:
         self._socket = bound_socket(host, port)
         self.url = url_of(self._socket)
         self._server = uvicorn.Server(
-            uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+            uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
         )
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]}, name="uvicorn-server"
