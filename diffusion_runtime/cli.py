@@ -1,4 +1,4 @@
-"""The ``diffusion-runtime`` command line: generate, eval, audit, bench."""
+"""The ``diffusion-runtime`` command line: generate, eval, audit, bench, serve."""
 
 from __future__ import annotations
 
@@ -239,6 +239,7 @@ BENCHMARKS = {
     "digits": "diffusion_runtime.bench.digits:run",
     "stage": "diffusion_runtime.bench.stage:run",
     "ipc": "diffusion_runtime.bench.ipc:run",
+    "http": "diffusion_runtime.bench.http:run",
 }
 
 
@@ -247,6 +248,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     result: dict[str, Any] = import_object(BENCHMARKS[args.name])()
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import attrs
+
+    from diffusion_runtime.serving import ServerConfig, serve
+
+    engine_config = attrs.evolve(
+        _engine_config(args),
+        max_waiting_requests=args.max_queue_len,
+        streaming_output=args.stream_progress,
+        intra_op_threads=args.intra_op_threads,
+        request_batch_max_wait_ms=args.batch_wait_ms,
+    )
+    server_config = ServerConfig(model_name=args.model_name, per_client_limit=args.per_client_limit)
+    serve(engine_config, server_config, host=args.host, port=args.port)
     return 0
 
 
@@ -289,6 +307,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench = command("bench", "run a benchmark and print JSON")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="the benchmark")
     bench.set_defaults(func=cmd_bench)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI images API over HTTP")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model-name", default=None, help="model name (default: the pipeline)")
+    serve.add_argument("--max-queue-len", type=int, default=256, help="waiting requests (429)")
+    serve.add_argument("--per-client-limit", type=int, default=None, help="in flight per client")
+    serve.add_argument(
+        "--stream-progress", action="store_true", help="step mode with progress for stream=true"
+    )
+    serve.add_argument("--intra-op-threads", type=int, default=None, help="torch threads")
+    serve.add_argument(
+        "--batch-wait-ms", type=float, default=0.0, help="wait this long for a fuller wave"
+    )
+    _engine_options(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 
