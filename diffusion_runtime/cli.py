@@ -8,8 +8,9 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import attrs
 import torch
 from tqdm import tqdm
 
@@ -30,6 +31,8 @@ DEFAULT_PROMPTS = [str(d) for d in range(10)]
 
 #: With streamed progress, a preview interval no request reaches: progress without previews.
 NO_PREVIEWS = 10_000
+#: EngineConfig's own preview interval, which ``serve --stream-progress`` keeps.
+DEFAULT_PREVIEW_INTERVAL = cast(int, attrs.fields(EngineConfig).preview_interval.default)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -252,14 +255,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import attrs
-
     from diffusion_runtime.serving import ServerConfig, serve
 
     engine_config = attrs.evolve(
         _engine_config(args),
         max_waiting_requests=args.max_queue_len,
         streaming_output=args.stream_progress,
+        # --stream-progress streams previews too, at EngineConfig's own interval.
+        preview_interval=DEFAULT_PREVIEW_INTERVAL,
         intra_op_threads=args.intra_op_threads,
         request_batch_max_wait_ms=args.batch_wait_ms,
     )
@@ -308,16 +311,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="the benchmark")
     bench.set_defaults(func=cmd_bench)
 
-    serve = commands.add_parser("serve", help="serve the OpenAI images API over HTTP")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve = command("serve", "serve the OpenAI images API over HTTP")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     serve.add_argument("--model-name", default=None, help="model name (default: the pipeline)")
     serve.add_argument("--max-queue-len", type=int, default=256, help="waiting requests (429)")
-    serve.add_argument("--per-client-limit", type=int, default=None, help="in flight per client")
+    serve.add_argument(
+        "--per-client-limit",
+        type=int,
+        default=None,
+        help="in flight per client (default: no limit)",
+    )
     serve.add_argument(
         "--stream-progress", action="store_true", help="step mode with progress for stream=true"
     )
-    serve.add_argument("--intra-op-threads", type=int, default=None, help="torch threads")
+    serve.add_argument(
+        "--intra-op-threads", type=int, default=None, help="torch threads (default: torch's own)"
+    )
     serve.add_argument(
         "--batch-wait-ms", type=float, default=0.0, help="wait this long for a fuller wave"
     )
