@@ -191,6 +191,7 @@ BENCHMARKS = {
     "digits": "diffusion_runtime.bench.digits:run",
     "stage": "diffusion_runtime.bench.stage:run",
     "ipc": "diffusion_runtime.bench.ipc:run",
+    "ray": "diffusion_runtime.bench.ray:run",
 }
 
 
