@@ -18,6 +18,7 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
+import torch
 from conftest import engine_threads
 from hypothesis import HealthCheck, settings
 
@@ -29,7 +30,9 @@ from diffusion_runtime import (
     RPCError,
     SamplingParams,
 )
+from diffusion_runtime.runner.protocols import StepRequestState
 from diffusion_runtime.testing.harness import lifecycle_test_case
+from diffusion_runtime.testing.pipelines import SeededNoisePipeline
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -59,6 +62,13 @@ class Probe:
     def nap(self, seconds: float) -> str:
         time.sleep(seconds)
         return "awake"
+
+
+class PreviewingNoise(SeededNoisePipeline):
+    """The noise pipeline with streaming previews."""
+
+    def preview(self, state: StepRequestState) -> torch.Tensor:
+        return torch.sigmoid(state.latents)
 
 
 # -- the cluster ---------------------------------------------------------------------
@@ -184,6 +194,33 @@ def test_workers_on_two_nodes_generate_as_one_process_does(
     snapshot = engine.snapshot()
     assert not snapshot.scheduler_ids and not snapshot.executor_held_ids
     assert not snapshot.runner_cached_ids
+
+
+def test_streamed_previews_and_large_images_cross_the_object_store(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    """Step mode with previews; a 192x192 image (432 KiB) is stored out of band by Ray."""
+    engine = ray_engine(
+        pipeline=PreviewingNoise, streaming_output=True, preview_interval=1, num_workers=1
+    )
+    large = SamplingParams(num_inference_steps=3, seed=9, height=192, width=192)
+
+    async def read() -> list[Any]:
+        rid = await engine.add_request("cat", large)
+        return [output async for output in engine.stream(rid)]
+
+    outputs = asyncio.run(read())
+    assert len(outputs) >= 2
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert all(o.image_batch is not None for o in outputs[:-1])  # the previews
+    with DiffusionEngine.make_engine(
+        EngineConfig(pipeline=PreviewingNoise, device="cpu", warmup=False)
+    ) as alone:
+        [expected] = alone.generate(["cat"], large)
+    final = outputs[-1]
+    assert final.ok and final.image_batch is not None and expected.image_batch is not None
+    assert final.image_batch.shape == (1, 3, 192, 192)
+    assert final.image_batch.equal(expected.image_batch)
 
 
 def test_rpc_replies_by_rank_time_out_and_refuse_bad_input(
