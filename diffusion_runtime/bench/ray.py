@@ -4,9 +4,13 @@
   compute) through ``execute``: uni, mp and Ray, one worker each, and mp and
   Ray with two workers (every rank runs every wave): the per-wave cost of
   each transport.
+- ``admission``: one admission check (``validate_request``, answered by rank
+  0 beside any running wave), mp against Ray.
 - ``digits``: requests per second of the digits engine with the mp and the
   Ray executor, 1 and 2 workers (one torch thread each), measured in
   alternation so that load drift hits both; uni with one worker as the floor.
+  ``waves``: the executors alone, ms per 8-request wave (``ray_over_mp`` is
+  a throughput ratio: mp's time over Ray's).
 - ``replicas``: 1, 2 and 4 replicas (each a digits engine with one torch
   thread, in a Ray actor) under one open-loop Poisson load, the sets run in
   alternation: throughput and p99 latency, medians over repeats. The load's
@@ -78,11 +82,57 @@ def wave_overhead(count: int) -> dict[str, Any]:
         finally:
             executor.shutdown()
     for name in ("mp", "ray"):
-        results[f"{name}_over_uni"] = round(
+        results[f"{name}_cost_over_uni"] = round(
             results[name]["median_us"] / results["uni"]["median_us"], 1
         )
-    results["ray_over_mp"] = round(results["ray"]["median_us"] / results["mp"]["median_us"], 2)
+    results["ray_cost_over_mp"] = round(results["ray"]["median_us"] / results["mp"]["median_us"], 2)
     return results
+
+
+def admission_check(count: int) -> dict[str, Any]:
+    """One ``validate_request`` (an admission check, answered by rank 0 beside any wave)."""
+    params = SamplingParams(num_inference_steps=1)
+    results: dict[str, Any] = {"pipeline": "testing-noise"}
+    for name, cls in (("mp", MultiprocExecutor), ("ray", RayExecutor)):
+        executor = cls(EngineConfig(pipeline="testing-noise", device="cpu"))
+        try:
+            check = functools.partial(executor.validate_request, "p", params)
+            results[name] = summary_us(_timed(check, count))
+        finally:
+            executor.shutdown()
+    return results
+
+
+def digits_waves(workers: int, waves: int, steps: int) -> dict[str, Any]:
+    """ms per 8-request digits wave through ``execute``, mp and Ray in alternation
+    (the executors alone: no admission, no engine loop)."""
+    params = SamplingParams(num_inference_steps=steps, seed=0)
+    config = EngineConfig(
+        pipeline="digits",
+        device="cpu",
+        num_workers=workers,
+        intra_op_threads=1,
+        ray_cpus_per_worker=1,
+    )
+    executors: dict[str, DiffusionExecutor] = {
+        "mp": MultiprocExecutor(config),
+        "ray": RayExecutor(config),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in executors}
+    numbers = itertools.count()
+    try:
+        for _ in range(waves):
+            for name, executor in executors.items():
+                i = next(numbers)
+                new = tuple(NewRequestData(f"{i}-{k}", k % 10, params, k) for k in range(8))
+                start = time.perf_counter()
+                executor.execute(SchedulerOutput(i, new, (), (), 8, 0))
+                samples[name].append(time.perf_counter() - start)
+    finally:
+        for executor in executors.values():
+            executor.shutdown()
+    mp, ray_ms = (statistics.median(samples[name][2:]) * 1e3 for name in ("mp", "ray"))
+    return {"mp_ms": round(mp, 1), "ray_ms": round(ray_ms, 1), "ray_over_mp": round(mp / ray_ms, 3)}
 
 
 def _execute_next(executor: DiffusionExecutor, next_wave: Callable[[], SchedulerOutput]) -> None:
@@ -145,6 +195,7 @@ def digits_throughput(num_requests: int, repeats: int, steps: int) -> dict[str, 
             f"{backend}_requests_per_s": round(rate, 1) for backend, rate in medians.items()
         }
         entry["ray_over_mp"] = round(medians["ray"] / medians["mp"], 3)
+        entry["waves"] = digits_waves(workers, 12, steps)
         results[f"{workers}_workers"] = entry
     return results
 
@@ -258,6 +309,7 @@ def run(
             "cores": cores,
             "ray": ray.__version__,
             "wave": wave_overhead(wave_samples),
+            "admission": admission_check(wave_samples),
             "digits": digits_throughput(digits_requests, digits_repeats, digits_steps),
             "replicas": replica_scaling(
                 replica_counts, replica_requests, replica_steps, overload, replica_repeats
