@@ -255,6 +255,8 @@ def test_config_fields_are_checked() -> None:
         ray_config(ray_liveness_timeout_s=0)
     with pytest.raises(InvalidFieldError, match="ray_address"):
         ray_config(ray_address="")
+    with pytest.raises(InvalidFieldError, match="init_distributed"):
+        RayExecutor(ray_config(init_distributed=True))
 
 
 def test_a_worker_that_cannot_start_releases_everything(two_nodes: Cluster) -> None:

@@ -6,6 +6,7 @@ One cluster serves the whole module.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -65,6 +66,16 @@ def replica_set(cluster: Cluster) -> Iterator[Any]:
         for actor in replicas.replicas:
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(actor.load.remote(), timeout=30)
+    assert not [t for t in threading.enumerate() if t.name == "diffusion-replica-heartbeat"]
+
+
+def test_config_fields_are_checked() -> None:
+    with pytest.raises(InvalidFieldError, match="routing"):
+        ReplicaSetConfig(engine=ENGINE, routing="random")
+    with pytest.raises(InvalidFieldError, match="engine"):
+        ReplicaSetConfig(engine="digits")  # type: ignore[arg-type]
+    with pytest.raises(InvalidFieldError, match="num_replicas"):
+        ReplicaSetConfig(engine=ENGINE, num_replicas=0)
 
 
 async def read_all(replicas: ReplicaSet, request_id: str) -> list[RequestOutput]:
