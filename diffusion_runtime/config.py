@@ -145,7 +145,7 @@ class EngineConfig:
     ray_placement_strategy: str = attrs.field(
         default="PACK", validator=one_of(*RAY_PLACEMENT_STRATEGIES)
     )
-    ray_cpus_per_worker: float = attrs.field(default=1.0, validator=finite_in_range(0.0, 1024.0))
+    ray_cpus_per_worker: float = attrs.field(default=1.0, validator=finite_in_range(0.01, 1024.0))
     ray_liveness_timeout_s: float = attrs.field(
         default=10.0, validator=finite_in_range(0.1, 3_600.0)
     )

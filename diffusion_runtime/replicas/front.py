@@ -138,15 +138,25 @@ class ReplicaSet:
     async def add_request(
         self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        """Admit one request on a replica and return its id; read it with :meth:`stream`."""
+        """Admit one request on a replica and return its id; read it with :meth:`stream`.
+
+        A replica found dead while admitting never held the request, so the
+        request goes to another one.
+        """
         prompt, checked, request_id = self._prepare(prompt, params, request_id)
-        index = self._route(request_id, checked)
-        try:
-            await self._replicas[index].add_request.remote(prompt, checked, request_id)
-        except BaseException as exc:
-            self._forget(request_id)
-            raise self._as_runtime_error(index, exc) from exc
-        return request_id
+        while True:
+            index = self._route(request_id, checked)
+            try:
+                await self._replicas[index].add_request.remote(prompt, checked, request_id)
+                return request_id
+            except ray.exceptions.RayError as exc:
+                self._forget(request_id)
+                error = self._as_runtime_error(index, exc)
+                if not isinstance(error, EngineDeadError):
+                    raise error from exc
+            except BaseException:
+                self._forget(request_id)
+                raise
 
     async def stream(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Yield a request's outputs until its final one (a failed final output if its
@@ -158,17 +168,7 @@ class ReplicaSet:
         index, seed = owner
         finished = False
         try:
-            outputs = (
-                self._replicas[index].stream.options(num_returns="streaming").remote(request_id)
-            )
-            async for ref in outputs:
-                try:
-                    output: RequestOutput = await ref
-                except BaseException as exc:
-                    error = self._as_runtime_error(index, exc)
-                    if not isinstance(error, EngineDeadError):
-                        raise error from exc
-                    output = _failed(request_id, seed, str(error))
+            async for output in self._outputs_of(index, seed, request_id):
                 finished = output.finished
                 yield output
                 if finished:
@@ -177,6 +177,20 @@ class ReplicaSet:
             if not finished:
                 self.abort(request_id, "the consumer stopped reading")
             self._forget(request_id)
+
+    async def _outputs_of(
+        self, index: int, seed: int, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The replica's outputs for a request; a failed final one if the replica dies."""
+        try:
+            refs = self._replicas[index].stream.options(num_returns="streaming").remote(request_id)
+            async for ref in refs:
+                yield await ref
+        except ray.exceptions.RayError as exc:
+            error = self._as_runtime_error(index, exc)
+            if not isinstance(error, EngineDeadError):
+                raise error from exc
+            yield _failed(request_id, seed, str(error))
 
     def abort(
         self, request_ids: str | Iterable[str], reason: str = "aborted by the caller"
@@ -293,11 +307,12 @@ class ReplicaSet:
         return output
 
     def _as_runtime_error(self, index: int, exc: BaseException) -> BaseException:
-        if is_lost_worker(exc):
-            reason = f"replica {index} died: {exc}"
+        cause = remote_cause(exc)
+        if is_lost_worker(exc) or isinstance(cause, EngineDeadError):
+            reason = f"replica {index} died: {cause}"
             self._on_replica_death(index, reason)
             return EngineDeadError(reason)
-        return remote_cause(exc)
+        return cause
 
     def _on_replica_death(self, index: int, reason: str) -> None:
         if self._router.mark_dead(index):

@@ -23,7 +23,7 @@ def worker_bundle(config: EngineConfig) -> dict[str, float]:
     bundle = {"CPU": config.ray_cpus_per_worker}
     if config.device.startswith("cuda"):
         bundle["GPU"] = 1.0
-    return {name: amount for name, amount in bundle.items() if amount > 0}
+    return bundle
 
 
 class RayWorkerGroup:
@@ -55,7 +55,7 @@ class RayWorkerGroup:
             )(RayWorker)
             self.actors = [
                 actor_class.options(
-                    num_cpus=bundle.get("CPU", 0),
+                    num_cpus=bundle["CPU"],
                     num_gpus=bundle.get("GPU", 0),
                     max_restarts=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -84,10 +84,8 @@ class RayWorkerGroup:
             except ray.exceptions.GetTimeoutError:
                 raise WorkerStartError(rank, "did not start in time") from None
             except ray.exceptions.RayError as exc:
-                cause = remote_cause(exc)
-                if isinstance(exc, ray.exceptions.RayActorError) and exc.__cause__ is not None:
-                    cause = exc.__cause__
-                raise WorkerStartError(rank, str(cause)) from cause
+                # An actor whose construction raised dies; Ray's message carries the traceback.
+                raise WorkerStartError(rank, str(remote_cause(exc))) from exc
             descriptions.append(description)
         return descriptions
 
