@@ -159,10 +159,18 @@ def executor_of(engine: DiffusionEngine) -> RayExecutor:
 def assert_released(executor: RayExecutor) -> None:
     """Every actor of the executor is dead and its placement group removed."""
     for actor in executor.actors:
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(actor.ping.remote(), timeout=30)
+        wait_until(lambda actor=actor: is_dead(actor), "the actor to end")
     states = {entry["state"] for entry in placement_group_table().values()}
     assert states <= {"REMOVED"}, states
+
+
+def is_dead(actor: Any) -> bool:
+    """Whether calls to ``actor`` fail because it ended (``ray.kill`` returns before that)."""
+    try:
+        ray.get(actor.ping.remote(), timeout=30)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:

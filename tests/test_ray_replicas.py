@@ -64,8 +64,7 @@ def replica_set(cluster: Cluster) -> Iterator[Any]:
     for replicas in built:
         replicas.close()
         for actor in replicas.replicas:
-            with pytest.raises(ray.exceptions.RayActorError):
-                ray.get(actor.load.remote(), timeout=30)
+            wait_until_dead(actor)
     assert not [t for t in threading.enumerate() if t.name == "diffusion-replica-heartbeat"]
 
 
@@ -76,6 +75,20 @@ def test_config_fields_are_checked() -> None:
         ReplicaSetConfig(engine="digits")  # type: ignore[arg-type]
     with pytest.raises(InvalidFieldError, match="num_replicas"):
         ReplicaSetConfig(engine=ENGINE, num_replicas=0)
+
+
+def wait_until_dead(actor: Any) -> None:
+    """Calls to ``actor`` fail because it ended (``ray.kill`` returns before that)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ray.get(actor.load.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.RayTaskError:  # still alive, its engine already closed
+            pass
+        assert time.monotonic() < deadline, "the replica actor never ended"
+        time.sleep(0.01)
 
 
 async def read_all(replicas: ReplicaSet, request_id: str) -> list[RequestOutput]:
