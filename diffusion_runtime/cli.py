@@ -243,6 +243,7 @@ BENCHMARKS = {
     "stage": "diffusion_runtime.bench.stage:run",
     "ipc": "diffusion_runtime.bench.ipc:run",
     "http": "diffusion_runtime.bench.http:run",
+    "ray": "diffusion_runtime.bench.ray:run",
 }
 
 

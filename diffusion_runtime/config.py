@@ -18,8 +18,9 @@ from diffusion_runtime.validation import (
 )
 
 EXECUTION_MODES = ("request", "step")
-BUILTIN_BACKENDS = ("uni", "mp")
+BUILTIN_BACKENDS = ("uni", "mp", "ray")
 AUDIT_MODES = ("off", "report", "raise")
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def default_device() -> str:
@@ -66,7 +67,7 @@ def _is_backend(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> N
     fail(
         instance,
         attribute.name,
-        "must be 'uni', 'mp', a DiffusionExecutor subclass or an import path",
+        "must be 'uni', 'mp', 'ray', a DiffusionExecutor subclass or an import path",
         value,
     )
 
@@ -79,6 +80,11 @@ def _is_optional_path(instance: Any, attribute: attrs.Attribute[Any], value: Any
 def _list_to_tuple(value: Any) -> Any:
     """A list becomes a tuple; anything else is left for the validator to judge."""
     return tuple(value) if isinstance(value, list) else value
+
+
+def _is_optional_address(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not (isinstance(value, str) and value.strip()):
+        fail(instance, attribute.name, "must be a Ray address ('auto', 'host:port') or None", value)
 
 
 def _is_extension_list(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -112,6 +118,15 @@ class EngineConfig:
     event as JSON lines; ``audit`` checks the
     invariants online and, on a violation, logs it (``"report"``) or fails the
     engine (``"raise"``).
+
+    The ``ray_*`` fields apply to ``executor_backend="ray"`` (see
+    ``docs/distributed.md``): ``ray_address`` names the cluster to join (None:
+    the Ray of this process if initialised, else a local one started and later
+    stopped by the executor); each worker is one actor holding
+    ``ray_cpus_per_worker`` CPUs (and one GPU when ``device`` is CUDA) in a
+    placement group bundle, placed by ``ray_placement_strategy``; a worker that
+    leaves a liveness ping unanswered for ``ray_liveness_timeout_s`` is taken
+    for dead.
     """
 
     pipeline: str | Callable[..., Any] = attrs.field(default="digits", validator=_is_pipeline_spec)
@@ -146,6 +161,14 @@ class EngineConfig:
     )
     trace_path: str | None = attrs.field(default=None, validator=_is_optional_path)
     audit: str = attrs.field(default="off", validator=one_of(*AUDIT_MODES))
+    ray_address: str | None = attrs.field(default=None, validator=_is_optional_address)
+    ray_placement_strategy: str = attrs.field(
+        default="PACK", validator=one_of(*RAY_PLACEMENT_STRATEGIES)
+    )
+    ray_cpus_per_worker: float = attrs.field(default=1.0, validator=finite_in_range(0.01, 1024.0))
+    ray_liveness_timeout_s: float = attrs.field(
+        default=10.0, validator=finite_in_range(0.1, 3_600.0)
+    )
 
     @property
     def resolved_mode(self) -> str:
