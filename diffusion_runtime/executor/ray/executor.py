@@ -16,13 +16,18 @@ from ray import cloudpickle
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.errors import EngineDeadError, InvalidFieldError, RPCError
-from diffusion_runtime.executor.base import DiffusionExecutor
+from diffusion_runtime.executor.base import DiffusionExecutor, check_request_input
 from diffusion_runtime.executor.ray.connection import RayConnection
 from diffusion_runtime.executor.ray.failures import is_lost_worker, remote_cause
 from diffusion_runtime.executor.ray.group import RayWorkerGroup
 from diffusion_runtime.executor.ray.liveness import LivenessMonitor
 from diffusion_runtime.executor.ray.transport import WaveReply
 from diffusion_runtime.executor.ray.waves import WaveTable
+from diffusion_runtime.executor.rpc_checks import (
+    checked_method,
+    checked_reply_rank,
+    checked_timeout,
+)
 from diffusion_runtime.pipelines.registry import BUILTIN_PIPELINES, resolve_pipeline_factory
 from diffusion_runtime.runner.faults import is_sticky_device_fault
 from diffusion_runtime.runner.output import RunnerOutput
@@ -116,23 +121,21 @@ class RayExecutor(DiffusionExecutor):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        num_workers = self.config.num_workers
-        if unique_reply_rank is not None and not (
-            isinstance(unique_reply_rank, int) and 0 <= unique_reply_rank < num_workers
-        ):
-            raise RPCError(
-                f"unique_reply_rank {unique_reply_rank} does not exist ({num_workers} workers)"
-            )
+        method = checked_method(method)
+        wait_s = checked_timeout(timeout)
+        reply_rank = checked_reply_rank(unique_reply_rank, self.config.num_workers)
         self._check_usable()
         refs = [actor.call.remote(method, args, kwargs or {}) for actor in self._actors]
-        replies = self._results(refs, timeout, f"collective_rpc {method!r}")
-        return replies if unique_reply_rank is None else replies[unique_reply_rank]
+        replies = self._results(refs, wait_s, f"collective_rpc {method!r}")
+        return replies if reply_rank is None else replies[reply_rank]
 
     def validate_request(self, prompt: Any, params: SamplingParams) -> None:
         """Check a request at admission, in rank 0's side group (never behind a wave).
 
-        The prompt and params must serialise, or they could never reach the workers.
+        The prompt must pass the input bounds, and the prompt and params must
+        serialise, or they could never reach the workers.
         """
+        check_request_input(prompt, params)
         try:
             _serialise((prompt, params))
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
