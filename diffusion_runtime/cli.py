@@ -1,4 +1,4 @@
-"""The ``diffusion-runtime`` command line: generate, eval, audit, bench."""
+"""The ``diffusion-runtime`` command line: generate, eval, audit, bench, serve."""
 
 from __future__ import annotations
 
@@ -8,10 +8,18 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import attrs
 import torch
+from tqdm import tqdm
 
+from diffusion_runtime.cli_checks import (
+    CommandError,
+    check_pipeline,
+    parse_pipeline_args,
+    prepare_output_dir,
+)
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.errors import DiffusionRuntimeError
@@ -21,67 +29,95 @@ from diffusion_runtime.sampling_params import SamplingParams
 DEFAULT_PROMPTS = [str(d) for d in range(10)]
 
 
+#: With streamed progress, a preview interval no request reaches: progress without previews.
+NO_PREVIEWS = 10_000
+#: EngineConfig's own preview interval, which ``serve --stream-progress`` keeps.
+DEFAULT_PREVIEW_INTERVAL = cast(int, attrs.fields(EngineConfig).preview_interval.default)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except ``None`` defaults, which the help text explains."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline", default="digits", help="pipeline name or import path")
+    parser.add_argument(
+        "--pipeline-arg",
+        action="append",
+        metavar="NAME=VALUE",
+        help="a keyword argument of the pipeline's factory (repeatable), e.g. path=DIR",
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="largest wave or step batch")
-    parser.add_argument("--mode", choices=["request", "step"], default="request")
+    parser.add_argument(
+        "--mode", choices=["request", "step"], default="request", help="execution mode"
+    )
     parser.add_argument("--workers", type=int, default=1, help="worker processes (>1 uses 'mp')")
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
+def _engine_config(args: argparse.Namespace, *, stream_progress: bool = False) -> EngineConfig:
+    """The engine the options describe, after checking that its pipeline can be built.
+
+    ``stream_progress`` in step mode asks for an output per denoising step.
+    """
+    pipeline_kwargs = parse_pipeline_args(args.pipeline_arg or [])
+    check_pipeline(args.pipeline, pipeline_kwargs)
     return EngineConfig(
         pipeline=args.pipeline,
+        pipeline_kwargs=pipeline_kwargs,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         execution_mode=args.mode,
         num_workers=args.workers,
+        streaming_output=stream_progress and args.mode == "step",
+        preview_interval=NO_PREVIEWS,
     )
 
 
-class ProgressBar:
-    """A one-line progress bar on stderr, redrawn in place."""
-
-    def __init__(self, total: int, width: int = 30) -> None:
-        self.total = total
-        self.width = width
-        self.done = 0
-
-    def advance(self) -> None:
-        self.done += 1
-        filled = self.width * self.done // max(self.total, 1)
-        bar = "#" * filled + "." * (self.width - filled)
-        sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} requests")
-        if self.done == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-async def _run_with_progress(
-    engine: DiffusionEngine, prompts: list[str], params: list[SamplingParams]
+async def run_with_progress(
+    engine: DiffusionEngine, prompts: list[str], params: list[SamplingParams], bar: tqdm[Any]
 ) -> list[RequestOutput]:
-    ids = [await engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    bar = ProgressBar(len(ids))
+    """Run one request per prompt and return their final outputs, moving ``bar``
+    by denoising step where the engine streams progress, else by request.
 
-    async def final(rid: str) -> RequestOutput:
+    ``bar.total`` must be the sum of :func:`progress_units` over ``params``.
+    """
+    ids = [await engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    per_step = engine.config.streaming_output
+
+    async def final(rid: str, units: int) -> RequestOutput:
         last: RequestOutput | None = None
+        shown = 0
         async for out in engine.stream(rid):
             last = out
+            reached = units if out.finished else min(out.step or 0, units)
+            bar.update(reached - shown)
+            shown = reached
         assert last is not None
-        bar.advance()
         return last
 
-    return list(await asyncio.gather(*(final(rid) for rid in ids)))
+    units = [progress_units(sp, per_step) for sp in params]
+    return list(await asyncio.gather(*(final(r, u) for r, u in zip(ids, units, strict=True))))
 
 
-def save_grid(outputs: list[RequestOutput], path: Path) -> None:
+def progress_units(params: SamplingParams, per_step: bool) -> int:
+    """A request's share of the progress bar: its steps, or one request."""
+    return params.num_inference_steps if per_step else 1
+
+
+def save_grid(outputs: list[RequestOutput], path: Path) -> bool:
     """All images of all outputs in one PNG: one row per request, or rows of ten
-    when every request has a single image."""
+    when every request has a single image. False when there was no image to save."""
     from PIL import Image
 
     rows = [out.pil_images() for out in outputs if out.ok]
     if not rows:
-        return
+        return False
     if all(len(row) == 1 for row in rows):
         flat = [row[0] for row in rows]
         rows = [flat[i : i + 10] for i in range(0, len(flat), 10)]
@@ -93,6 +129,7 @@ def save_grid(outputs: list[RequestOutput], path: Path) -> None:
         for x, img in enumerate(row):
             grid.paste(img.convert("RGB"), (x * cell_w, y * cell_h))
     grid.save(path)
+    return True
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -111,10 +148,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for i in range(len(prompts))
     ]
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with DiffusionEngine.make_engine(_engine_config(args)) as engine:
+    config = _engine_config(args, stream_progress=True)
+    prepare_output_dir(out_dir)
+    with DiffusionEngine.make_engine(config) as engine:
+        total = sum(progress_units(sp, config.streaming_output) for sp in params)
+        unit = "step" if config.streaming_output else "request"
         start = time.perf_counter()
-        outputs = asyncio.run(_run_with_progress(engine, prompts, params))
+        with tqdm(total=total, unit=unit, file=sys.stderr, disable=None) as bar:
+            outputs = asyncio.run(run_with_progress(engine, prompts, params, bar))
         wall = time.perf_counter() - start
     images = 0
     for index, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
@@ -124,11 +165,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for i, img in enumerate(out.pil_images()):
             img.save(out_dir / f"{index:03d}-{_file_stem(prompt)}-{i}.png")
             images += 1
-    save_grid(outputs, out_dir / "grid.png")
+    grid = out_dir / "grid.png"
+    wrote_grid = save_grid(outputs, grid)
     failed = sum(not out.ok for out in outputs)
     print(
         f"{len(outputs)} requests, {images} images in {wall:.2f} s "
-        f"({images / wall:.1f} images/s), {failed} failed -> {out_dir}/grid.png"
+        f"({images / wall:.1f} images/s), {failed} failed"
+        + (f" -> {grid}" if wrote_grid else "; no image, so no grid written")
     )
     return 1 if failed else 0
 
@@ -157,6 +200,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"{len(failed)} requests failed: {failed[0].error}", file=sys.stderr)
         return 1
     images = torch.cat([out.image_batch for out in outputs if out.image_batch is not None])
+    if images.shape[1] != 1:
+        raise CommandError(
+            f"eval scores one-channel digit images; pipeline {args.pipeline!r} made images "
+            f"of shape {tuple(images.shape[1:])}"
+        )
     labels = torch.arange(10).repeat_interleave(args.samples)
     overall, per_digit = recognition_rates(images, labels)
     report = {
@@ -173,7 +221,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from diffusion_runtime.fsm.audit import audit_events
     from diffusion_runtime.fsm.trace import read_trace
 
-    violations = audit_events(read_trace(args.trace))
+    try:
+        violations = audit_events(read_trace(args.trace))
+    except OSError as exc:
+        raise CommandError(f"cannot read the trace {args.trace!r}: {exc.strerror}") from None
     for violation in violations:
         print(violation.describe())
     by_invariant: dict[str, int] = {}
@@ -191,6 +242,8 @@ BENCHMARKS = {
     "digits": "diffusion_runtime.bench.digits:run",
     "stage": "diffusion_runtime.bench.stage:run",
     "ipc": "diffusion_runtime.bench.ipc:run",
+    "http": "diffusion_runtime.bench.http:run",
+    "ray": "diffusion_runtime.bench.ray:run",
 }
 
 
@@ -202,47 +255,101 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from diffusion_runtime.serving import ServerConfig, serve
+
+    engine_config = attrs.evolve(
+        _engine_config(args),
+        max_waiting_requests=args.max_queue_len,
+        streaming_output=args.stream_progress,
+        # --stream-progress streams previews too, at EngineConfig's own interval.
+        preview_interval=DEFAULT_PREVIEW_INTERVAL,
+        intra_op_threads=args.intra_op_threads,
+        request_batch_max_wait_ms=args.batch_wait_ms,
+    )
+    server_config = ServerConfig(model_name=args.model_name, per_client_limit=args.per_client_limit)
+    serve(engine_config, server_config, host=args.host, port=args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffusion-runtime", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="generate images and write PNGs")
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help_text, formatter_class=HelpFormatter)
+
+    generate = command("generate", "generate images and write PNGs")
     generate.add_argument("prompts", nargs="*", help="prompts (default: the ten digits)")
-    generate.add_argument("--steps", type=int, default=25)
-    generate.add_argument("--guidance", type=float, default=1.0)
-    generate.add_argument("--seed", type=int, default=0, help="seed of the first prompt")
+    _sampling_options(generate)
+    generate.add_argument(
+        "--seed", type=int, default=0, help="seed of the first prompt; prompt i gets seed + i"
+    )
     generate.add_argument("--num-outputs", type=int, default=1, help="images per prompt")
     generate.add_argument(
-        "--size", type=int, default=None, help="output size in pixels (digits default: 64)"
+        "--size",
+        type=int,
+        default=None,
+        help="output size in pixels (default: 64 for digits, else the pipeline's own)",
     )
     generate.add_argument("--out", default="out", help="output directory")
     _engine_options(generate)
     generate.set_defaults(func=cmd_generate)
 
-    evaluate = commands.add_parser("eval", help="score samples with a digit classifier")
+    evaluate = command("eval", "score samples with a digit classifier")
     evaluate.add_argument("--samples", type=int, default=20, help="samples per digit")
-    evaluate.add_argument("--steps", type=int, default=25)
-    evaluate.add_argument("--guidance", type=float, default=1.0)
-    evaluate.add_argument("--seed", type=int, default=0)
+    _sampling_options(evaluate)
+    evaluate.add_argument("--seed", type=int, default=0, help="seed of digit 0; digit d gets +d")
     evaluate.add_argument("--min-rate", type=float, default=0.9, help="exit 1 below this rate")
     _engine_options(evaluate)
     evaluate.set_defaults(func=cmd_eval)
 
-    audit = commands.add_parser("audit", help="check a JSON-lines trace against the invariants")
+    audit = command("audit", "check a JSON-lines trace against the invariants")
     audit.add_argument("trace", help="a trace written with EngineConfig(trace_path=...)")
     audit.set_defaults(func=cmd_audit)
 
-    bench = commands.add_parser("bench", help="run a benchmark and print JSON")
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench = command("bench", "run a benchmark and print JSON")
+    bench.add_argument("name", choices=sorted(BENCHMARKS), help="the benchmark")
     bench.set_defaults(func=cmd_bench)
+
+    serve = command("serve", "serve the OpenAI images API over HTTP")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
+    serve.add_argument("--model-name", default=None, help="model name (default: the pipeline)")
+    serve.add_argument("--max-queue-len", type=int, default=256, help="waiting requests (429)")
+    serve.add_argument(
+        "--per-client-limit",
+        type=int,
+        default=None,
+        help="in flight per client (default: no limit)",
+    )
+    serve.add_argument(
+        "--stream-progress", action="store_true", help="step mode with progress for stream=true"
+    )
+    serve.add_argument(
+        "--intra-op-threads", type=int, default=None, help="torch threads (default: torch's own)"
+    )
+    serve.add_argument(
+        "--batch-wait-ms", type=float, default=0.0, help="wait this long for a fuller wave"
+    )
+    _engine_options(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def _sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=25, help="denoising steps per image")
+    parser.add_argument(
+        "--guidance", type=float, default=1.0, help="classifier-free guidance scale (1: none)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)
-    except (ValueError, DiffusionRuntimeError) as exc:  # bad input or start-up: say what, briefly
+    except (CommandError, ValueError, DiffusionRuntimeError) as exc:
+        # Bad input or a failed start: one line, no traceback.
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return code

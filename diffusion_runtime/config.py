@@ -18,8 +18,9 @@ from diffusion_runtime.validation import (
 )
 
 EXECUTION_MODES = ("request", "step")
-BUILTIN_BACKENDS = ("uni", "mp")
+BUILTIN_BACKENDS = ("uni", "mp", "ray")
 AUDIT_MODES = ("off", "report", "raise")
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def default_device() -> str:
@@ -34,10 +35,13 @@ def _device_str(value: Any) -> Any:
 
 
 def _is_device(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    rule = "must name a torch device such as 'cpu' or 'cuda:0'"
+    if not isinstance(value, str):
+        fail(instance, attribute.name, rule, value)
     try:
         torch.device(value)
-    except (RuntimeError, TypeError):
-        fail(instance, attribute.name, "must name a torch device such as 'cpu' or 'cuda:0'", value)
+    except Exception:
+        fail(instance, attribute.name, rule, value)
 
 
 def _is_pipeline_spec(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -53,27 +57,49 @@ def _is_pipeline_spec(instance: Any, attribute: attrs.Attribute[Any], value: Any
     )
 
 
+#: What an executor class has (checked by shape: the executors sit above this module).
+_EXECUTOR_METHODS = ("execute", "collective_rpc", "shutdown", "validate_request")
+
+
 def _is_backend(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None or isinstance(value, type):
+    if value is None or (
+        isinstance(value, type)
+        and all(callable(getattr(value, m, None)) for m in _EXECUTOR_METHODS)
+    ):
         return
     if isinstance(value, str) and (value in BUILTIN_BACKENDS or ":" in value or "." in value):
         return
     fail(
         instance,
         attribute.name,
-        "must be 'uni', 'mp', a DiffusionExecutor subclass or an import path",
+        "must be 'uni', 'mp', 'ray', a DiffusionExecutor subclass or an import path",
         value,
     )
 
 
 def _is_optional_path(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not (isinstance(value, str) and value):
+    if value is not None and not (isinstance(value, str) and value and "\0" not in value):
         fail(instance, attribute.name, "must be a non-empty file path or None", value)
 
 
+def _list_to_tuple(value: Any) -> Any:
+    """A list becomes a tuple; anything else is left for the validator to judge."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _is_optional_address(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not (isinstance(value, str) and value.strip()):
+        fail(instance, attribute.name, "must be a Ray address ('auto', 'host:port') or None", value)
+
+
 def _is_extension_list(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not all(isinstance(item, (str, type)) for item in value):
-        fail(instance, attribute.name, "must hold classes or 'module:attr' import paths", value)
+    if not isinstance(value, tuple) or not all(isinstance(item, (str, type)) for item in value):
+        fail(
+            instance,
+            attribute.name,
+            "must be a list or tuple of classes or 'module:attr' import paths",
+            value,
+        )
 
 
 @attrs.frozen(slots=True)
@@ -89,12 +115,23 @@ class EngineConfig:
     ``preview_interval`` steps. ``init_distributed`` joins the worker processes
     in a ``torch.distributed`` group; ``worker_start_timeout_s`` bounds their
     start-up and ``shutdown_grace_s`` how long they get to stop before being killed.
+    ``worker_liveness_timeout_s`` is how long a worker process may go without a
+    heartbeat before it counts as hung (stopped, deadlocked) and the executor fails.
     ``intra_op_threads`` is torch's thread count in the thread that runs the
     pipeline (default: the count torch has where the worker is built); small
     models on few cores often run faster with 1. ``trace_path`` writes every
     event as JSON lines; ``audit`` checks the
     invariants online and, on a violation, logs it (``"report"``) or fails the
     engine (``"raise"``).
+
+    The ``ray_*`` fields apply to ``executor_backend="ray"`` (see
+    ``docs/distributed.md``): ``ray_address`` names the cluster to join (None:
+    the Ray of this process if initialised, else a local one started and later
+    stopped by the executor); each worker is one actor holding
+    ``ray_cpus_per_worker`` CPUs (and one GPU when ``device`` is CUDA) in a
+    placement group bundle, placed by ``ray_placement_strategy``; a worker that
+    leaves a liveness ping unanswered for ``ray_liveness_timeout_s`` is taken
+    for dead.
     """
 
     pipeline: str | Callable[..., Any] = attrs.field(default="digits", validator=_is_pipeline_spec)
@@ -112,7 +149,7 @@ class EngineConfig:
     )
     warmup: bool = attrs.field(default=True, validator=is_bool)
     worker_extensions: tuple[str | type, ...] = attrs.field(
-        default=(), converter=tuple, validator=_is_extension_list
+        default=(), converter=_list_to_tuple, validator=_is_extension_list
     )
     streaming_output: bool = attrs.field(default=False, validator=is_bool)
     preview_interval: int = attrs.field(default=5, validator=int_in_range(1, 10_000))
@@ -121,11 +158,22 @@ class EngineConfig:
         default=300.0, validator=finite_in_range(0.1, 86_400.0)
     )
     shutdown_grace_s: float = attrs.field(default=5.0, validator=finite_in_range(0.0, 3_600.0))
+    worker_liveness_timeout_s: float = attrs.field(
+        default=5.0, validator=finite_in_range(0.1, 3_600.0)
+    )
     intra_op_threads: int | None = attrs.field(
         default=None, validator=int_in_range(1, 1024, optional=True)
     )
     trace_path: str | None = attrs.field(default=None, validator=_is_optional_path)
     audit: str = attrs.field(default="off", validator=one_of(*AUDIT_MODES))
+    ray_address: str | None = attrs.field(default=None, validator=_is_optional_address)
+    ray_placement_strategy: str = attrs.field(
+        default="PACK", validator=one_of(*RAY_PLACEMENT_STRATEGIES)
+    )
+    ray_cpus_per_worker: float = attrs.field(default=1.0, validator=finite_in_range(0.01, 1024.0))
+    ray_liveness_timeout_s: float = attrs.field(
+        default=10.0, validator=finite_in_range(0.1, 3_600.0)
+    )
 
     @property
     def resolved_mode(self) -> str:

@@ -43,6 +43,7 @@ from diffusion_runtime.errors import (
     describe_error,
 )
 from diffusion_runtime.executor.base import DiffusionExecutor
+from diffusion_runtime.executor.rpc_checks import checked_timeout
 from diffusion_runtime.fsm import RequestMachine, RequestStatus
 from diffusion_runtime.fsm.audit import Auditor
 from diffusion_runtime.outputs import RequestOutput
@@ -278,6 +279,7 @@ class DiffusionEngine:
         outputs are not callable here: only the scheduler decides what runs."""
         if method in Worker.EXECUTION_METHODS:
             raise RPCError(f"method {method!r} is reserved for the executor")
+        timeout = checked_timeout(timeout)
         try:
             return self._between_steps(
                 lambda: self.core.collective_rpc(method, args, kwargs, timeout, unique_reply_rank),

@@ -2,6 +2,37 @@
 
 from __future__ import annotations
 
+import reprlib
+
+#: The longest echo of a bad value in an error message.
+MAX_VALUE_REPR = 200
+#: Integers with more bits are described by their size (``repr`` of a huge int is slow or fails).
+_MAX_INT_BITS = 512
+
+_short_repr = reprlib.Repr()
+_short_repr.maxlevel = 3
+_short_repr.maxstring = MAX_VALUE_REPR
+_short_repr.maxother = MAX_VALUE_REPR
+_short_repr.maxlong = MAX_VALUE_REPR
+
+
+def describe_value(value: object, limit: int = MAX_VALUE_REPR) -> str:
+    """A ``repr`` of ``value`` cut to about ``limit`` characters, for error messages.
+
+    Never raises: a huge int is described by its size, deep nesting is elided,
+    and an object whose ``repr`` fails is named by its type.
+    """
+    try:
+        if isinstance(value, int) and value.bit_length() > _MAX_INT_BITS:
+            text = f"<int of {value.bit_length()} bits>"
+        else:
+            text = _short_repr.repr(value)
+    except Exception:
+        text = f"<{type(value).__name__} whose repr failed>"
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text) - limit} more characters)"
+    return text
+
 
 class DiffusionRuntimeError(Exception):
     """Base class of the runtime's own errors."""
@@ -10,7 +41,9 @@ class DiffusionRuntimeError(Exception):
 class InvalidFieldError(DiffusionRuntimeError, ValueError):
     """A configuration or request field broke a rule.
 
-    The message names the owner, the field, the rule and the offending value.
+    The message names the owner, the field, the rule and the offending value
+    (its ``repr`` cut to :data:`MAX_VALUE_REPR` characters); ``value`` keeps
+    the value itself.
     """
 
     def __init__(self, owner: str, field: str, rule: str, value: object) -> None:
@@ -18,7 +51,7 @@ class InvalidFieldError(DiffusionRuntimeError, ValueError):
         self.field = field
         self.rule = rule
         self.value = value
-        super().__init__(f"{owner}.{field} {rule}; got {value!r}")
+        super().__init__(f"{owner}.{field} {rule}; got {describe_value(value)}")
 
 
 class DuplicateRequestError(DiffusionRuntimeError, ValueError):

@@ -22,7 +22,7 @@ class RequestMetrics:
     total_time_s: float
 
 
-@attrs.frozen(slots=True)
+@attrs.frozen(slots=True, repr=False)
 class RequestOutput:
     """One output of one request.
 
@@ -31,7 +31,8 @@ class RequestOutput:
     ``None`` unless the request completed (or an intermediate output carries a
     preview); :attr:`images` splits it per image. ``error`` explains an aborted
     or failed request. In step mode, ``step`` of ``num_steps`` is the progress
-    when the output was made (a progress bar's numbers).
+    when the output was made (a progress bar's numbers). Its ``repr`` is one
+    short line: the pixels are left out.
     """
 
     request_id: str
@@ -43,6 +44,20 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     step: int | None = None
     num_steps: int | None = None
+
+    def __repr__(self) -> str:
+        parts = [f"{self.request_id!r}", self.status.name]
+        if not self.finished:
+            parts.append("intermediate")
+        if self.step is not None:
+            parts.append(f"step {self.step}/{self.num_steps}")
+        if self.image_batch is not None:
+            count, *shape = self.image_batch.shape
+            parts.append(f"{count} image{'s' if count != 1 else ''} {tuple(shape)}")
+        parts.append(f"seed={self.seed}")
+        if self.error is not None:
+            parts.append(f"error={self.error!r}")
+        return f"RequestOutput({', '.join(parts)})"
 
     @property
     def ok(self) -> bool:

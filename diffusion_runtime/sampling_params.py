@@ -8,7 +8,12 @@ from typing import Any
 import attrs
 
 from diffusion_runtime.errors import InvalidFieldError
-from diffusion_runtime.validation import finite_in_range, int_in_range, str_keyed_dict
+from diffusion_runtime.validation import (
+    bounded_input,
+    finite_in_range,
+    int_in_range,
+    str_keyed_dict,
+)
 
 MAX_SEED = 2**63 - 1
 
@@ -17,13 +22,20 @@ def _copy_dict(value: Any) -> Any:
     return dict(value) if isinstance(value, dict) else value
 
 
+def _is_extra_args(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    str_keyed_dict(instance, attribute, value)
+    bounded_input(type(instance).__name__, attribute.name, value)
+
+
 @attrs.frozen(slots=True)
 class SamplingParams:
     """How to sample one request. Every field is validated on construction.
 
     ``seed=None`` lets the engine pick one; the output reports the seed used,
     so every result can be reproduced. ``height``/``width`` of ``None`` mean the
-    pipeline's native size. ``extra_args`` carries pipeline-specific options.
+    pipeline's native size. ``extra_args`` carries pipeline-specific options;
+    like a prompt, it may nest at most :data:`~diffusion_runtime.validation.MAX_INPUT_DEPTH`
+    levels and hold at most :data:`~diffusion_runtime.validation.MAX_INPUT_BYTES`.
     """
 
     num_inference_steps: int = attrs.field(default=25, validator=int_in_range(1, 10_000))
@@ -33,7 +45,7 @@ class SamplingParams:
     height: int | None = attrs.field(default=None, validator=int_in_range(1, 8192, optional=True))
     width: int | None = attrs.field(default=None, validator=int_in_range(1, 8192, optional=True))
     extra_args: dict[str, Any] = attrs.field(
-        factory=dict, converter=_copy_dict, validator=str_keyed_dict, hash=False
+        factory=dict, converter=_copy_dict, validator=_is_extra_args, hash=False
     )
 
     def request_batch_key(self) -> tuple[Any, ...]:
@@ -56,7 +68,7 @@ def checked_params(params: object) -> SamplingParams:
         return SamplingParams()
     if not isinstance(params, SamplingParams):
         raise InvalidFieldError(
-            "request", "params", "must be a SamplingParams", type(params).__name__
+            "request", "params", f"must be a SamplingParams, not {type(params).__name__}", params
         )
     return params
 
@@ -70,8 +82,17 @@ def prompts_and_params(
     one :class:`SamplingParams` for all prompts or one per prompt.
     """
     prompt_list = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
+    for index, prompt in enumerate(prompt_list):
+        bounded_input("generate", f"prompts[{index}]", prompt)
     if params is None or isinstance(params, SamplingParams):
         return prompt_list, [params] * len(prompt_list)
+    if not isinstance(params, (list, tuple)):
+        raise InvalidFieldError(
+            "generate",
+            "params",
+            f"must be a SamplingParams or a list of them, not {type(params).__name__}",
+            params,
+        )
     params_list: list[SamplingParams | None] = list(params)
     if len(params_list) != len(prompt_list):
         raise InvalidFieldError(

@@ -479,3 +479,22 @@ def test_engine_lifecycle_with_the_tiny_dit_in_step_mode(pipes: dict[str, Any]) 
         machine, settings=settings(max_examples=10, stateful_step_count=8, deadline=None)
     )
     assert engine_threads() == []
+
+
+# -- schedulers with a minimum step count ----------------------------------------------------
+
+
+def test_a_scheduler_that_needs_four_steps_starts_an_engine_and_refuses_fewer(
+    models: Any, pipes: dict[str, Any], make_engine: Callable[..., DiffusionEngine]
+) -> None:
+    pndm = models.with_scheduler(pipes["sd"], "PNDMScheduler", skip_prk_steps=False)
+    adapter = DiffusersPipeline(pndm)
+    assert adapter.family.min_inference_steps == 4
+    assert adapter.warmup_request()[1].num_inference_steps == 4
+    engine = make_engine(factory_of(adapter), execution_mode="step")  # warms up
+    with pytest.raises(InvalidFieldError, match="at least 4") as info:
+        engine.generate(["a cat"], SamplingParams(num_inference_steps=3, seed=1))
+    assert info.value.field == "num_inference_steps"
+    [output] = engine.generate(["a cat"], SamplingParams(num_inference_steps=4, seed=1))
+    assert output.ok
+    assert DiffusersPipeline(pipes["sd"]).family.min_inference_steps == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -123,3 +124,8 @@ def test_outputs_are_bit_identical_to_the_pipeline_called_directly() -> None:
     finally:
         core.shutdown()
 
+
+def test_the_embedding_guide_custom_engine_runs(tmp_path: Path) -> None:
+    from test_docs_examples import DOCS, run_block
+
+    assert run_block(tmp_path, DOCS / "embedding.md", "EngineCore(") == "True\nTrue\n"

@@ -16,6 +16,9 @@
   engines measured in alternation so that load drift hits both.
 - ``death``: from ``SIGKILL`` of a worker to the failure callback, and to the
   ``EngineDeadError`` of a caller blocked in ``execute``.
+- ``hang``: from ``SIGSTOP`` of a worker to the ``EngineDeadError`` of a
+  caller blocked in ``execute`` (bounded by ``worker_liveness_timeout_s``),
+  and how long ``shutdown()`` then takes.
 """
 
 from __future__ import annotations
@@ -254,6 +257,45 @@ def death_detection(executor: MultiprocExecutor) -> dict[str, Any]:
     }
 
 
+def hang_detection(liveness_s: float = 1.0) -> dict[str, Any]:
+    """Stop the worker under a blocked ``execute``; time until the caller is answered."""
+    config = EngineConfig(
+        pipeline="testing-faults",
+        device="cpu",
+        executor_backend="mp",
+        worker_liveness_timeout_s=liveness_s,
+        shutdown_grace_s=1.0,
+    )
+    executor = MultiprocExecutor(config)
+    pid = executor.worker_pids[0]
+    params = SamplingParams(num_inference_steps=1, seed=0)
+    gated = SchedulerOutput(1, (NewRequestData("g", "gate", params, 0),), (), (), 1, 0)
+    raised_at: list[float] = []
+
+    def blocked_caller() -> None:
+        try:
+            executor.execute(gated)
+        except EngineDeadError:
+            raised_at.append(time.perf_counter())
+
+    caller = threading.Thread(target=blocked_caller)
+    try:
+        caller.start()
+        time.sleep(0.2)  # let the wave reach the worker's gate
+        stopped_at = time.perf_counter()
+        os.kill(pid, signal.SIGSTOP)
+        caller.join(liveness_s + 10)
+    finally:
+        shutdown_start = time.perf_counter()
+        executor.shutdown()
+        shutdown_s = time.perf_counter() - shutdown_start
+    return {
+        "liveness_timeout_s": liveness_s,
+        "to_blocked_caller_s": round(raised_at[0] - stopped_at, 3),
+        "shutdown_s": round(shutdown_s, 3),
+    }
+
+
 def run(
     control_samples: int = 2_000,
     wave_samples: int = 500,
@@ -269,6 +311,7 @@ def run(
         results["death"] = death_detection(executor)
     finally:
         executor.shutdown()
+    results["hang"] = hang_detection()
     results["wave"] = wave_overhead(wave_samples)
     results["image"] = image_round_trip(image_samples)
     results["throughput"] = engine_throughput(throughput_requests, throughput_repeats)

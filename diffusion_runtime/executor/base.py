@@ -12,6 +12,7 @@ from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import EngineDeadError
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.validation import bounded_input
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,11 @@ class DiffusionExecutor(abc.ABC):
         """Stop every worker and release every resource. Idempotent."""
 
     def validate_request(self, prompt: Any, params: SamplingParams) -> None:
-        """Raise ``ValueError`` for input the pipeline cannot serve (called at admission)."""
+        """Raise ``ValueError`` for input the pipeline cannot serve (called at admission).
+
+        Overrides call :func:`check_request_input` first, as this one does.
+        """
+        check_request_input(prompt, params)
         self.collective_rpc("validate_request", (prompt, params), unique_reply_rank=0)
 
     def held_request_ids(self) -> frozenset[str]:
@@ -101,3 +106,10 @@ class DiffusionExecutor(abc.ABC):
         logger.error("executor failed: %s", reason)
         for fn in callbacks:
             fn(reason)
+
+
+def check_request_input(prompt: Any, params: SamplingParams) -> None:
+    """Refuse a prompt whose nesting or size passes the input bounds (see
+    :func:`~diffusion_runtime.validation.bounded_input`), before it is pickled or
+    reaches a pipeline. ``params.extra_args`` were bounded when ``params`` was built."""
+    bounded_input("request", "prompt", prompt)

@@ -17,6 +17,10 @@ def resolve_executor_class(config: EngineConfig) -> type[DiffusionExecutor]:
         from diffusion_runtime.executor.mp import MultiprocExecutor
 
         return MultiprocExecutor
+    if backend == "ray":
+        from diffusion_runtime.executor.ray import RayExecutor
+
+        return RayExecutor
     cls = import_object(backend) if isinstance(backend, str) else backend
     if not (isinstance(cls, type) and issubclass(cls, DiffusionExecutor)):
         raise TypeError(

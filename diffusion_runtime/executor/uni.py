@@ -8,7 +8,12 @@ from typing import Any
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import DeviceFault, EngineDeadError, RPCError
-from diffusion_runtime.executor.base import DiffusionExecutor
+from diffusion_runtime.executor.base import DiffusionExecutor, check_request_input
+from diffusion_runtime.executor.rpc_checks import (
+    checked_method,
+    checked_reply_rank,
+    checked_timeout,
+)
 from diffusion_runtime.runner.worker import Worker
 from diffusion_runtime.sampling_params import SamplingParams
 
@@ -16,8 +21,9 @@ from diffusion_runtime.sampling_params import SamplingParams
 class UniProcExecutor(DiffusionExecutor):
     """One in-process worker, called directly.
 
-    RPC timeouts are accepted for interface parity but cannot be enforced: a
-    hung pipeline blocks the calling thread.
+    A call runs on the caller's thread and cannot be abandoned, so an RPC
+    with a finite ``timeout`` is refused (:class:`RPCError`) rather than
+    silently waited for; the ``mp`` executor enforces timeouts.
     """
 
     validates_in_process = True
@@ -44,12 +50,19 @@ class UniProcExecutor(DiffusionExecutor):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        if unique_reply_rank not in (None, 0):
-            raise RPCError(f"unique_reply_rank {unique_reply_rank} does not exist (1 worker)")
+        method = checked_method(method)
+        reply_rank = checked_reply_rank(unique_reply_rank, 1)
+        if checked_timeout(timeout) is not None:
+            raise RPCError(
+                f"collective_rpc {method!r}: the 'uni' executor runs calls on the caller's "
+                "thread and cannot abandon one, so it refuses a finite timeout; "
+                "pass timeout=None or use the 'mp' executor"
+            )
         reply = self._call(method, args, kwargs or {})
-        return reply if unique_reply_rank == 0 else [reply]
+        return reply if reply_rank == 0 else [reply]
 
     def validate_request(self, prompt: Any, params: SamplingParams) -> None:
+        check_request_input(prompt, params)
         self._call("validate_request", (prompt, params), {})
 
     def shutdown(self) -> None:

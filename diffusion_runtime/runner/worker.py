@@ -11,7 +11,7 @@ import torch
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
-from diffusion_runtime.errors import RPCError
+from diffusion_runtime.errors import InvalidFieldError, RPCError
 from diffusion_runtime.pipelines.registry import build_pipeline, import_object
 from diffusion_runtime.runner.model_runner import ModelRunner
 from diffusion_runtime.sampling_params import SamplingParams
@@ -20,11 +20,30 @@ logger = logging.getLogger(__name__)
 
 
 def worker_device(config: EngineConfig, rank: int) -> torch.device:
-    """The device of worker ``rank``: ``cuda:rank`` for a CUDA config with several workers."""
+    """The device of worker ``rank``: ``cuda:rank`` for ``"cuda"`` without an index.
+
+    Raises :class:`InvalidFieldError` for a CUDA device this process cannot see.
+    """
     device = torch.device(config.device)
-    if device.type == "cuda" and device.index is None and config.num_workers > 1:
-        return torch.device("cuda", rank)
-    return device
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise InvalidFieldError(
+            "EngineConfig",
+            "device",
+            "names a CUDA device, but no CUDA device is available",
+            config.device,
+        )
+    index = rank if device.index is None else device.index
+    visible = torch.cuda.device_count()
+    if index >= visible:
+        raise InvalidFieldError(
+            "EngineConfig",
+            "device",
+            f"needs cuda:{index}, but {visible} CUDA device(s) are visible",
+            config.device,
+        )
+    return torch.device("cuda", index)
 
 
 def extension_method_names(cls: type) -> list[str]:

@@ -68,6 +68,8 @@ class CallTable:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._calls: dict[int, RpcCall | WaveCall] = {}
+        # The wave in flight of each request id it runs: releases are O(1).
+        self._wave_of: dict[str, WaveCall] = {}
         self._closed: str | None = None
 
     # -- callers -------------------------------------------------------------------------
@@ -82,6 +84,7 @@ class CallTable:
         with self._lock:
             call = WaveCall(self._next_id(), request_ids)
             self._calls[call.call_id] = call
+            self._wave_of.update(dict.fromkeys(call.request_ids, call))
             return call
 
     @property
@@ -92,7 +95,11 @@ class CallTable:
     def discard(self, call_id: int) -> None:
         """Forget a call: from now on its replies are stale."""
         with self._lock:
-            self._calls.pop(call_id, None)
+            call = self._calls.pop(call_id, None)
+            if isinstance(call, WaveCall):
+                for request_id in call.request_ids:
+                    if self._wave_of.get(request_id) is call:
+                        del self._wave_of[request_id]
 
     def released_ids(self, call: WaveCall) -> frozenset[str]:
         with self._lock:
@@ -101,18 +108,17 @@ class CallTable:
     def release_request(self, request_id: str) -> None:
         """The request ended: its images in a wave still in flight will not be read."""
         with self._lock:
-            for call in self._calls.values():
-                if isinstance(call, WaveCall) and request_id in call.request_ids:
-                    call.released.add(request_id)
+            call = self._wave_of.get(request_id)
+            if call is not None:
+                call.released.add(request_id)
 
     def held_request_ids(self) -> frozenset[str]:
         """Ids of requests in waves in flight, except those released."""
         with self._lock:
             return frozenset(
                 request_id
-                for call in self._calls.values()
-                if isinstance(call, WaveCall)
-                for request_id in call.request_ids - call.released
+                for request_id, call in self._wave_of.items()
+                if request_id not in call.released
             )
 
     def close(self, reason: str) -> None:
@@ -122,6 +128,7 @@ class CallTable:
                 self._closed = reason
             calls = list(self._calls.values())
             self._calls.clear()
+            self._wave_of.clear()
         for call in calls:
             if not call.future.done():
                 call.future.set_exception(EngineDeadError(reason))

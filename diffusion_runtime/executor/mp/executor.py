@@ -19,7 +19,7 @@ import attrs
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import EngineDeadError, InvalidFieldError, RPCError
-from diffusion_runtime.executor.base import DiffusionExecutor
+from diffusion_runtime.executor.base import DiffusionExecutor, check_request_input
 from diffusion_runtime.executor.mp.calls import CallTable
 from diffusion_runtime.executor.mp.group import WorkerGroup
 from diffusion_runtime.executor.mp.messages import (
@@ -39,6 +39,11 @@ from diffusion_runtime.executor.mp.monitor import DeathMonitor
 from diffusion_runtime.executor.mp.pump import ResultPump
 from diffusion_runtime.executor.mp.segments import SEGMENT_PREFIX, OutputReader, sweep
 from diffusion_runtime.executor.mp.spec import WorkerSpec, portable_config
+from diffusion_runtime.executor.rpc_checks import (
+    checked_method,
+    checked_reply_rank,
+    checked_timeout,
+)
 from diffusion_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -81,7 +86,10 @@ class MultiprocExecutor(DiffusionExecutor):
         this = weakref.ref(self)
         self._pump = ResultPump(self._group.result_connections, functools.partial(_deliver, this))
         self._monitor = DeathMonitor(
-            self._group, functools.partial(_report_death, this), config.shutdown_grace_s
+            self._group,
+            functools.partial(_report_death, this),
+            config.shutdown_grace_s,
+            config.worker_liveness_timeout_s,
         )
         self._finalizer = weakref.finalize(
             self,
@@ -115,7 +123,7 @@ class MultiprocExecutor(DiffusionExecutor):
         self.check_health()
         call = self._calls.open_wave(scheduler_output.scheduled_ids)
         try:
-            self._send(self._group.broadcast, dumps(Execute(call.call_id, dumps(scheduler_output))))
+            self._send(self._group.broadcast, dumps(Execute(call.call_id, scheduler_output)))
             ready = call.future.result()
             skip = self._calls.released_ids(call)
         finally:
@@ -137,29 +145,31 @@ class MultiprocExecutor(DiffusionExecutor):
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        num_workers = self.config.num_workers
-        if unique_reply_rank is not None and not (
-            isinstance(unique_reply_rank, int) and 0 <= unique_reply_rank < num_workers
-        ):
-            raise RPCError(
-                f"unique_reply_rank {unique_reply_rank} does not exist ({num_workers} workers)"
-            )
+        method = checked_method(method)
+        wait_s = checked_timeout(timeout)
+        reply_rank = checked_reply_rank(unique_reply_rank, self.config.num_workers)
+        try:
+            payload = dumps((args, kwargs or {}))
+        except RecursionError:
+            raise RPCError(f"the arguments of {method!r} are nested too deeply to pickle") from None
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise RPCError(f"the arguments of {method!r} cannot be pickled: {exc}") from exc
         self.check_health()
-        ranks = tuple(range(num_workers)) if unique_reply_rank is None else (unique_reply_rank,)
-        payload = dumps((args, kwargs or {}))
+        ranks = tuple(range(self.config.num_workers)) if reply_rank is None else (reply_rank,)
         call = self._calls.open_rpc(method, ranks)
         try:
             self._send(
-                self._group.broadcast, dumps(Call(call.call_id, method, payload, unique_reply_rank))
+                self._group.broadcast, dumps(Call(call.call_id, method, payload, reply_rank))
             )
             try:
-                replies = call.future.result(timeout)
+                replies = call.future.result(wait_s)
             except FutureTimeout:
+                # Its reply, when it comes, finds no call and is dropped.
                 raise RPCError(f"collective_rpc {method!r} timed out after {timeout} s") from None
         finally:
             self._calls.discard(call.call_id)
         values = [_load_reply(method, replies[rank]) for rank in ranks]
-        return values[0] if unique_reply_rank is not None else values
+        return values[0] if reply_rank is not None else values
 
     def validate_request(self, prompt: Any, params: SamplingParams) -> None:
         """Check a request at admission, on rank 0's side thread.
@@ -168,12 +178,8 @@ class MultiprocExecutor(DiffusionExecutor):
         the pipeline has no ``validate_request``. Either way the prompt and
         params must pickle, or they could never reach the workers.
         """
-        try:
-            payload = dumps((prompt, params))
-        except (pickle.PicklingError, AttributeError, TypeError) as exc:
-            raise InvalidFieldError(
-                "request", "prompt", "must be picklable to reach worker processes", prompt
-            ) from exc
+        check_request_input(prompt, params)
+        payload = _pickled_request(prompt, params)
         if not self._rank0_validates:
             return
         self.check_health()
@@ -223,13 +229,16 @@ class MultiprocExecutor(DiffusionExecutor):
             logger.warning("ignored an unexpected %s from a worker", type(message).__name__)
 
     def _send(self, send: Callable[[bytes], None], data: bytes) -> None:
-        """Send through the group; a worker that cannot be reached has died."""
+        """Send through the group; a worker that cannot be reached has died.
+
+        A send abandoned because the executor failed meanwhile raises that failure.
+        """
         try:
             send(data)
         except EngineDeadError as exc:
             if not self._calls.closed:  # not a send racing shutdown
                 self.mark_failed(str(exc))
-            raise
+            raise EngineDeadError(self._failure or str(exc)) from exc
 
     def _release_segment(self, name: str) -> None:
         try:
@@ -238,8 +247,27 @@ class MultiprocExecutor(DiffusionExecutor):
             logger.debug("could not hand segment %s back to rank 0", name)
 
     def _on_failure(self, reason: str) -> None:
+        self._group.abandon_writes()
         self._calls.close(reason)
         self._monitor.stop_workers()
+
+
+def _pickled_request(prompt: Any, params: SamplingParams) -> bytes:
+    """``(prompt, params)`` pickled for rank 0; a field that cannot be is named."""
+    try:
+        return dumps((prompt, params))
+    except (pickle.PicklingError, AttributeError, TypeError, RecursionError) as exc:
+        cause = exc
+    try:
+        dumps(params.extra_args)
+    except (pickle.PicklingError, AttributeError, TypeError, RecursionError):
+        owner, field, value = "SamplingParams", "extra_args", params.extra_args
+    else:
+        owner, field, value = "request", "prompt", prompt
+    rule = "must be picklable to reach worker processes"
+    if isinstance(cause, RecursionError):
+        rule = "is nested too deeply to pickle"
+    raise InvalidFieldError(owner, field, rule, value) from cause
 
 
 def _load_reply(method: str, payload: bytes) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import signal
 import threading
@@ -12,8 +13,15 @@ from multiprocessing.process import BaseProcess
 
 from diffusion_runtime.errors import DiffusionRuntimeError, EngineDeadError
 from diffusion_runtime.executor.mp.messages import Ready, StartFailed, Stop, dumps, loads
+from diffusion_runtime.executor.mp.pipe_writer import PipeWriter
 from diffusion_runtime.executor.mp.spec import WorkerSpec
-from diffusion_runtime.executor.mp.worker_proc import run_worker
+from diffusion_runtime.executor.mp.wakeup import Wakeup
+from diffusion_runtime.executor.mp.worker_proc import (
+    MAIN_GUARD_ADVICE,
+    UNGUARDED_MAIN_EXIT_CODE,
+    exit_if_starting_as_worker,
+    run_worker,
+)
 
 
 class WorkerStartError(DiffusionRuntimeError):
@@ -32,8 +40,8 @@ class WorkerStartError(DiffusionRuntimeError):
 
 
 class WorkerGroup:
-    """Owns the worker processes and their pipes: commands to each, results from
-    each, and rank 0's side pipe.
+    """Owns the worker processes and their pipes: commands to each, results and
+    heartbeats from each, and rank 0's side pipe.
 
     Construction spawns one process per spec and returns once every worker
     reported :class:`Ready`; if any fails, dies or misses the deadline, every
@@ -42,11 +50,14 @@ class WorkerGroup:
     """
 
     def __init__(self, specs: Sequence[WorkerSpec], start_timeout: float) -> None:
+        exit_if_starting_as_worker()
         context = multiprocessing.get_context("spawn")
         self.processes: list[BaseProcess] = []
-        self._commands: list[Connection] = []
+        self._abandon = Wakeup()
+        self._commands: list[PipeWriter] = []
         self._results: list[Connection] = []
-        self._side: Connection | None = None
+        self._heartbeats: list[Connection] = []
+        self._side: PipeWriter | None = None
         self._command_locks = [threading.Lock() for _ in specs]
         self._side_lock = threading.Lock()
         self._stop_lock = threading.Lock()
@@ -56,21 +67,24 @@ class WorkerGroup:
             for spec in specs:
                 commands_read, commands_write = context.Pipe(duplex=False)
                 results_read, results_write = context.Pipe(duplex=False)
+                beats_read, beats_write = context.Pipe(duplex=False)
                 side_read = None
                 if spec.rank == 0:
-                    side_read, self._side = context.Pipe(duplex=False)
-                self._commands.append(commands_write)
+                    side_read, side_write = context.Pipe(duplex=False)
+                    self._side = PipeWriter(side_write, 0, self._abandon)
+                self._commands.append(PipeWriter(commands_write, spec.rank, self._abandon))
                 self._results.append(results_read)
+                self._heartbeats.append(beats_read)
                 process = context.Process(
                     target=run_worker,
-                    args=(spec, commands_read, side_read, results_write),
+                    args=(spec, commands_read, side_read, results_write, beats_write),
                     name=f"diffusion-worker-{spec.rank}",
                     daemon=True,
                 )
                 try:
                     process.start()
                 finally:
-                    for end in (commands_read, side_read, results_write):
+                    for end in (commands_read, side_read, results_write, beats_write):
                         if end is not None:
                             end.close()
                 self.processes.append(process)
@@ -84,12 +98,18 @@ class WorkerGroup:
     def result_connections(self) -> list[Connection]:
         return list(self._results)
 
+    @property
+    def heartbeat_connections(self) -> list[Connection]:
+        """Each worker's heartbeat pipe, by rank (see :class:`DeathMonitor`)."""
+        return list(self._heartbeats)
+
     # -- sending -------------------------------------------------------------------------
 
     def send(self, rank: int, data: bytes) -> None:
-        """Send one encoded command to ``rank``; :class:`EngineDeadError` if it is gone."""
+        """Send one encoded command to ``rank``; :class:`EngineDeadError` if it is gone
+        or writes were abandoned while its pipe was full."""
         with self._command_locks[rank]:
-            _send(self._commands[rank], data, rank)
+            self._commands[rank].send(data)
 
     def broadcast(self, data: bytes) -> None:
         for rank in range(len(self._commands)):
@@ -99,48 +119,53 @@ class WorkerGroup:
         """Send one encoded message to rank 0's side thread (it never waits for a wave)."""
         assert self._side is not None
         with self._side_lock:
-            _send(self._side, data, 0)
+            self._side.send(data)
+
+    def abandon_writes(self) -> None:
+        """End every send waiting on a full pipe, now and later (the group is going away)."""
+        self._abandon.set()
 
     # -- stopping ------------------------------------------------------------------------
 
     def stop(self, grace: float) -> None:
-        """Ask every worker to stop, wait up to ``grace`` seconds, then terminate, then kill.
+        """Ask every worker to stop, wait up to ``grace`` seconds, then kill what is left.
 
+        Returns within ``grace`` plus the time to reap killed processes.
         Idempotent; a second caller waits for the first to finish.
         """
         with self._stop_lock:
             if self._stopped:
                 return
             self._stopped = True
+            deadline = time.monotonic() + grace
+            # A full pipe now ends the send at once: a worker that is not reading gets no Stop.
+            self.abandon_writes()
             stop = dumps(Stop())
             for rank, process in enumerate(self.processes):
-                # A sender stuck on a full pipe holds the lock: that worker gets no Stop.
-                lock = self._command_locks[rank]
-                if process.is_alive() and lock.acquire(timeout=grace):
-                    try:
-                        self._commands[rank].send_bytes(stop)
-                    except OSError:
-                        pass
-                    finally:
-                        lock.release()
-            deadline = time.monotonic() + grace
+                if process.is_alive():
+                    with contextlib.suppress(EngineDeadError):
+                        self.send(rank, stop)
             while (alive := [p.sentinel for p in self.processes if p.is_alive()]) and (
                 remaining := deadline - time.monotonic()
             ) > 0:
                 wait(alive, remaining)
+            for rank in range(len(self.processes)):
+                self.kill(rank)
             for process in self.processes:
-                if process.is_alive():
-                    process.terminate()
-                    process.join(1.0)
-                if process.is_alive():
-                    process.kill()
                 process.join()
 
+    def kill(self, rank: int) -> None:
+        """``SIGKILL`` worker ``rank`` if it still runs (a stopped process dies too)."""
+        process = self.processes[rank]
+        if process.is_alive():
+            process.kill()
+
     def close(self) -> None:
-        """Close both pipes of every worker and the process handles (after :meth:`stop`)."""
-        for connection in [*self._commands, *self._results, self._side]:
-            if connection is not None:
-                connection.close()
+        """Close every pipe of every worker and the process handles (after :meth:`stop`)."""
+        for end in [*self._commands, *self._results, *self._heartbeats, self._side]:
+            if end is not None:
+                end.close()
+        self._abandon.close()
         for process in self.processes:
             if process.exitcode is not None:
                 process.close()
@@ -204,11 +229,7 @@ class WorkerGroup:
 
     def _died(self, rank: int) -> str:
         pid = self.processes[rank].pid
-        return f"its process (pid {pid}) {self._exit_status(rank)} during start-up"
-
-
-def _send(connection: Connection, data: bytes, rank: int) -> None:
-    try:
-        connection.send_bytes(data)
-    except OSError as exc:
-        raise EngineDeadError(f"worker {rank} cannot be reached: {exc}") from exc
+        died = f"its process (pid {pid}) {self._exit_status(rank)} during start-up"
+        if self.processes[rank].exitcode == UNGUARDED_MAIN_EXIT_CODE:
+            return f"{died}: {MAIN_GUARD_ADVICE}"
+        return died

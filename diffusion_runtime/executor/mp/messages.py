@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from diffusion_runtime.contracts import RunnerOutput
+from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.executor.mp.remote_error import RemoteError
 
 
@@ -38,10 +38,13 @@ def loads(data: bytes) -> Any:
 
 @attrs.frozen
 class Execute:
-    """Run one scheduler output (``payload``) on every rank; rank 0 reports it."""
+    """Run one scheduler output on every rank; rank 0 reports it.
+
+    The output travels inside this message, so it is pickled once.
+    """
 
     call_id: int
-    payload: bytes
+    output: SchedulerOutput
 
 
 @attrs.frozen

@@ -10,7 +10,11 @@ Threads in the process:
 - on rank 0, the packer thread copies each wave's images into shared memory
   while the main thread is already free for the next command;
 - the watchdog thread waits on the engine process's sentinel and ends this
-  process if the engine process dies without stopping it.
+  process if the engine process dies without stopping it;
+- the heartbeat thread writes to the heartbeat pipe several times per
+  ``worker_liveness_timeout_s``: when the process is stopped or frozen (a
+  signal, a deadlock holding the interpreter), the beats stop and the
+  executor's death monitor declares the worker hung.
 """
 
 from __future__ import annotations
@@ -57,13 +61,76 @@ from diffusion_runtime.runner.worker import Worker, worker_device
 
 logger = logging.getLogger(__name__)
 
+#: The exit status of a process that tried to start workers while it was itself
+#: starting up as a worker: the main module created an engine without a guard.
+UNGUARDED_MAIN_EXIT_CODE = os.EX_CONFIG
+
+MAIN_GUARD_ADVICE = (
+    "worker processes are started with 'spawn', which imports the main module "
+    "again in each worker; that import created another engine. Create mp engines "
+    'under `if __name__ == "__main__":` in the main module (or in a function it calls)'
+)
+
+
+def exit_if_starting_as_worker() -> None:
+    """Refuse to start workers from a process that is still starting as a worker.
+
+    Under 'spawn', a worker imports the main module before it runs; an engine
+    created at that module's top level would start workers of its own, forever.
+    This process says why on stderr and exits with
+    :data:`UNGUARDED_MAIN_EXIT_CODE`, which the parent reports with the same advice.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        sys.stderr.write(f"diffusion-runtime: {MAIN_GUARD_ADVICE}\n")
+        sys.stderr.flush()
+        raise SystemExit(UNGUARDED_MAIN_EXIT_CODE)
+
+
+#: Beats sent per liveness timeout: a late beat or two never looks like a hang.
+BEATS_PER_TIMEOUT = 5
+
 
 def run_worker(
-    spec: WorkerSpec, commands: Connection, side: Connection | None, results: Connection
+    spec: WorkerSpec,
+    commands: Connection,
+    side: Connection | None,
+    results: Connection,
+    heartbeats: Connection,
 ) -> None:
     """Entry point of a worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the engine process to handle
-    WorkerProcess(spec, commands, side, results).serve()
+    WorkerProcess(spec, commands, side, results, heartbeats).serve()
+
+
+class Heartbeat:
+    """A thread that writes an empty frame every ``interval`` seconds until stopped."""
+
+    def __init__(self, connection: Connection, interval: float) -> None:
+        self._connection = connection
+        self._interval = interval
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="diffusion-worker-heartbeat", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop beating and close the pipe."""
+        self._stopped.set()
+        if self._thread.ident is not None:
+            self._thread.join()
+        self._connection.close()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._connection.send_bytes(b"")
+            except OSError:  # the executor is gone; the watchdog ends the process
+                return
+            if self._stopped.wait(self._interval):
+                return
 
 
 class Outbox:
@@ -157,6 +224,7 @@ class WorkerProcess:
         commands: Connection,
         side: Connection | None,
         results: Connection,
+        heartbeats: Connection,
     ) -> None:
         self.spec = spec
         self.rank = spec.rank
@@ -164,6 +232,8 @@ class WorkerProcess:
         self._side = side
         self._results = results
         self._outbox = Outbox(results)
+        interval = spec.config.worker_liveness_timeout_s / BEATS_PER_TIMEOUT
+        self._heartbeat = Heartbeat(heartbeats, interval)
         self._worker: Worker | None = None
         self._arena: OutputArena | None = None
         self._packer: OutputPacker | None = None
@@ -178,6 +248,7 @@ class WorkerProcess:
             return
         validates = getattr(worker.pipeline, "validate_request", None) is not None
         self._outbox.send(Ready(self.rank, os.getpid(), str(worker.device), validates))
+        self._heartbeat.start()
         self._start_thread(self._watch_executor, "diffusion-worker-watchdog")
         if self._side is not None:
             self._start_thread(self._serve_side, "diffusion-worker-side")
@@ -215,6 +286,7 @@ class WorkerProcess:
         return self._worker
 
     def _release(self) -> None:
+        self._heartbeat.close()
         if self._packer is not None:
             self._packer.close()
         if self._arena is not None:
@@ -291,7 +363,7 @@ class WorkerProcess:
 
     def _execute(self, worker: Worker, command: Execute) -> None:
         try:
-            output = worker.call("execute_model", loads(command.payload))
+            output = worker.call("execute_model", command.output)
         except Exception as exc:
             self._report_fault(exc)
             self._reply_error(command.call_id, exc)

@@ -81,8 +81,10 @@ class DiffusersPipeline:
         self.family.validate(prompt, params)
 
     def warmup_request(self) -> tuple[Prompt, SamplingParams]:
-        """A one-step request through the whole path."""
-        return self.family.warmup_prompt(), SamplingParams(num_inference_steps=1, seed=0)
+        """A request of the fewest steps the scheduler runs, through the whole path."""
+        family = self.family
+        params = SamplingParams(num_inference_steps=family.min_inference_steps, seed=0)
+        return family.warmup_prompt(), params
 
     @torch.no_grad()
     def forward(self, batch: Sequence[PipelineRequest]) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from diffusion_runtime.errors import InvalidFieldError
+from diffusion_runtime.pipelines.diffusers.scheduler_steps import minimum_inference_steps
 from diffusion_runtime.pipelines.protocols import PipelineRequest, Prompt
 from diffusion_runtime.sampling_params import SamplingParams
 
@@ -71,6 +72,8 @@ class Family(abc.ABC):
         self.pipe = pipe
         self.device = device
         self.owner = type(pipe).__name__
+        #: The fewest steps the pipeline's scheduler runs (4 for PNDM's Runge-Kutta warm-up).
+        self.min_inference_steps = minimum_inference_steps(pipe.scheduler)
 
     @property
     @abc.abstractmethod
@@ -108,6 +111,12 @@ class Family(abc.ABC):
     def validate(self, prompt: Prompt, params: SamplingParams) -> None:
         """Raise :class:`InvalidFieldError` naming the first field this pipeline cannot serve."""
         self.check_prompt(prompt)
+        if params.num_inference_steps < self.min_inference_steps:
+            rule = (
+                f"must be at least {self.min_inference_steps} "
+                f"(the fewest steps {type(self.pipe.scheduler).__name__} runs)"
+            )
+            self.fail("num_inference_steps", rule, params.num_inference_steps)
         train_steps = getattr(self.pipe.scheduler.config, "num_train_timesteps", None)
         if train_steps is not None and params.num_inference_steps > train_steps:
             rule = f"must be at most {train_steps} (the scheduler's training timesteps)"

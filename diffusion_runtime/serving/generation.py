@@ -1,0 +1,211 @@
+"""``POST /v1/images/generations``: admit, wait (or stream), answer; abort on disconnect."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio.to_thread
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.errors import DiffusionRuntimeError, QueueFullError
+from diffusion_runtime.fsm import RequestStatus
+from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.serving.admission import ClientLimiter
+from diffusion_runtime.serving.config import ServerConfig
+from diffusion_runtime.serving.disconnect import ClientDisconnected, unless_disconnected
+from diffusion_runtime.serving.errors import APIError, bad_field, engine_error
+from diffusion_runtime.serving.event_stream import KEEPALIVE, EventStreamResponse, sse_event
+from diffusion_runtime.serving.http_metrics import HttpMetrics
+from diffusion_runtime.serving.images import (
+    ImageStore,
+    b64,
+    encodes_inline,
+    png_images,
+    size_of,
+)
+from diffusion_runtime.serving.metrics import EngineMetrics
+from diffusion_runtime.serving.params import check_model, sampling_params_for
+from diffusion_runtime.serving.request_outputs import OutputReaders, RequestOutputs
+from diffusion_runtime.serving.schema import ImageData, ImageGenerationRequest, ImagesResponse
+
+#: The status nginx made the convention for "the client closed the request" (never seen by it).
+CLIENT_CLOSED_REQUEST = 499
+
+
+class ImageGeneration:
+    """Serves image generation requests against one engine."""
+
+    def __init__(
+        self,
+        engine: DiffusionEngine,
+        config: ServerConfig,
+        model_name: str,
+        metrics: EngineMetrics,
+        http_metrics: HttpMetrics,
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.model_name = model_name
+        self.metrics = metrics
+        self.http_metrics = http_metrics
+        self.limiter = ClientLimiter(config.per_client_limit, config.retry_after_s)
+        self.store = ImageStore(config.max_stored_images, config.image_ttl_s)
+        self.readers = OutputReaders()
+
+    async def handle(self, body: ImageGenerationRequest, request: Request) -> Response:
+        check_model(body.model, self.model_name)
+        params = sampling_params_for(body, self.config)
+        if body.stream and body.response_format == "url":
+            raise bad_field(
+                "response_format", "response_format: a stream sends its images inline (b64_json)"
+            )
+        client = body.user or (request.client.host if request.client else "unknown")
+        outputs = await self._admit(body.prompt, params, client)
+        if body.stream:
+            return EventStreamResponse(
+                self._events(outputs, params), on_close=lambda: self._end(outputs, client)
+            )
+        try:
+            final = await unless_disconnected(request.receive, outputs.final)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except DiffusionRuntimeError as exc:
+            raise engine_error(exc, self.config.retry_after_s) from None
+        finally:
+            self._end(outputs, client)
+        return await self._answer(final, params, body.response_format or "b64_json", request)
+
+    async def _admit(self, prompt: str, params: SamplingParams, client: str) -> RequestOutputs:
+        try:
+            self.limiter.acquire(client)
+        except APIError:
+            self.http_metrics.refused.labels("client_limit").inc()
+            raise
+        try:
+            return await RequestOutputs.admit(self.engine, prompt, params, self.readers)
+        except DiffusionRuntimeError as exc:
+            self.limiter.release(client)
+            if isinstance(exc, QueueFullError):
+                self.http_metrics.refused.labels("queue_full").inc()
+            raise engine_error(exc, self.config.retry_after_s) from None
+        except BaseException:
+            self.limiter.release(client)
+            raise
+
+    def _end(self, outputs: RequestOutputs, client: str) -> None:
+        """The exchange is over: free the client's slot; abort the request if it still runs."""
+        self.limiter.release(client)
+        if not outputs.finished:
+            self.http_metrics.disconnects.inc()
+            outputs.abandon("the HTTP client disconnected")
+
+    def _accept_final(self, final: RequestOutput, params: SamplingParams) -> None:
+        """Count a completed request's steps; raise the API's error for any other ending."""
+        if final.ok:
+            if final.num_steps is None:  # request mode: the engine reported no steps
+                self.metrics.count_steps(params.num_inference_steps)
+            return
+        if final.status is RequestStatus.FINISHED_ABORTED:
+            raise APIError(
+                503,
+                f"the request was aborted: {final.error}",
+                error_type="server_error",
+                code="aborted",
+            )
+        raise APIError(
+            500,
+            f"the generation failed: {final.error}",
+            error_type="server_error",
+            code="generation_failed",
+        )
+
+    async def _answer(
+        self, final: RequestOutput, params: SamplingParams, response_format: str, request: Request
+    ) -> JSONResponse:
+        self._accept_final(final, params)
+        pngs = await encode(final)
+        if response_format == "url":
+            data = [
+                ImageData(url=str(request.url_for("image_file", name=self.store.put(png))))
+                for png in pngs
+            ]
+        else:
+            data = [ImageData(b64_json=b64(png)) for png in pngs]
+        response = ImagesResponse(
+            created=int(time.time()), data=data, size=size_of(final.image_batch), seed=final.seed
+        )
+        return JSONResponse(response.model_dump(exclude_none=True))
+
+    async def _events(
+        self, outputs: RequestOutputs, params: SamplingParams
+    ) -> AsyncIterator[bytes]:
+        """OpenAI's image stream events, plus ``image_generation.progress`` per step."""
+        partial_index = 0
+        while True:
+            try:
+                output = await outputs.next(self.config.stream_keepalive_s)
+            except DiffusionRuntimeError as exc:
+                yield sse_event(_error_event(engine_error(exc, self.config.retry_after_s)))
+                return
+            if output is None:
+                yield KEEPALIVE
+                continue
+            if not output.finished:
+                yield sse_event(_progress_event(output))
+                if output.image_batch is not None:
+                    for png in await encode(output):
+                        yield sse_event(
+                            _image_event("image_generation.partial_image", output, png)
+                            | {"partial_image_index": partial_index}
+                        )
+                        partial_index += 1
+                continue
+            try:
+                self._accept_final(output, params)
+            except APIError as error:
+                yield sse_event(_error_event(error))
+                return
+            for index, png in enumerate(await encode(output)):
+                yield sse_event(
+                    _image_event("image_generation.completed", output, png)
+                    | {"image_index": index, "seed": output.seed}
+                )
+            return
+
+
+async def encode(output: RequestOutput) -> list[bytes]:
+    """``output``'s images as PNGs; large ones on a worker thread, so the loop keeps serving."""
+    if encodes_inline(output):
+        return png_images(output)
+    return await anyio.to_thread.run_sync(png_images, output)
+
+
+def _progress_event(output: RequestOutput) -> dict[str, Any]:
+    return {
+        "type": "image_generation.progress",
+        "created_at": int(time.time()),
+        "step": output.step,
+        "num_steps": output.num_steps,
+    }
+
+
+def _image_event(kind: str, output: RequestOutput, png: bytes) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "b64_json": b64(png),
+        "created_at": int(time.time()),
+        "size": size_of(output.image_batch),
+        "output_format": "png",
+        "background": "opaque",
+        "quality": "auto",
+    }
+
+
+def _error_event(error: APIError) -> dict[str, Any]:
+    return {"type": "error", "error": error.detail.model_dump()}

@@ -1,0 +1,397 @@
+"""The Ray executor on a real two-node Ray cluster (two raylets on this machine).
+
+One cluster serves the whole module. Classes the worker actors build live at
+module level; the cluster's processes find this file through ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+import unittest
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from conftest import engine_threads
+from hypothesis import HealthCheck, settings
+
+from diffusion_runtime import (
+    DiffusionEngine,
+    EngineConfig,
+    EngineDeadError,
+    InvalidFieldError,
+    RPCError,
+    SamplingParams,
+)
+from diffusion_runtime.pipelines.protocols import StepRequestState
+from diffusion_runtime.testing.harness import lifecycle_test_case
+from diffusion_runtime.testing.pipelines import SeededNoisePipeline
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.placement_group import placement_group_table  # noqa: E402
+
+from diffusion_runtime.executor.ray import RayExecutor  # noqa: E402
+
+FAST = SamplingParams(num_inference_steps=2, seed=5, height=16, width=16)
+NODE_CPUS = 2
+OBJECT_STORE_BYTES = 80 * 1024**2
+# Seconds within which every caller must hear of a lost worker.
+ANSWER_BOUND_S = 2.0
+
+
+class Probe:
+    """A worker extension: each public method is an RPC method on every rank."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def rank(self) -> int:
+        return int(self.worker.rank)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def nap(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "awake"
+
+
+class PreviewingNoise(SeededNoisePipeline):
+    """The noise pipeline with streaming previews."""
+
+    def preview(self, state: StepRequestState) -> torch.Tensor:
+        return torch.sigmoid(state.latents)
+
+
+# -- the cluster ---------------------------------------------------------------------
+
+
+def start_node(cluster: Cluster, head: bool = False) -> Any:
+    args: dict[str, Any] = {"num_cpus": NODE_CPUS, "object_store_memory": OBJECT_STORE_BYTES}
+    if head:
+        args["include_dashboard"] = False
+    return cluster.add_node(**args)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A head and one worker node; this process is the driver. Always shut down."""
+    tests_dir = str(Path(__file__).parent)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, saved) if p)
+    cluster = Cluster()
+    try:
+        start_node(cluster, head=True)
+        start_node(cluster)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+@pytest.fixture
+def two_nodes(cluster: Cluster) -> Iterator[Cluster]:
+    """The cluster with two live nodes, before and after the test (which may remove one)."""
+    while len(cluster.list_all_nodes()) < 2:
+        start_node(cluster)
+    cluster.wait_for_nodes()
+    yield cluster
+    while len(cluster.list_all_nodes()) < 2:
+        start_node(cluster)
+    cluster.wait_for_nodes()
+
+
+def ray_config(**overrides: Any) -> EngineConfig:
+    fields: dict[str, Any] = {
+        "pipeline": "testing-faults",
+        "device": "cpu",
+        "executor_backend": "ray",
+        "num_workers": 2,
+        "ray_cpus_per_worker": 0.5,
+        "ray_placement_strategy": "STRICT_SPREAD",
+        "worker_extensions": (Probe,),
+        "shutdown_grace_s": 1.0,
+        "warmup": False,
+    }
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+@pytest.fixture
+def ray_engine(two_nodes: Cluster) -> Iterator[Callable[..., DiffusionEngine]]:
+    """Build Ray engines; at teardown close them and check nothing of theirs is left."""
+    engines: list[DiffusionEngine] = []
+
+    def build(**overrides: Any) -> DiffusionEngine:
+        engine = DiffusionEngine.make_engine(ray_config(**overrides))
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        engine.close()
+    for engine in engines:
+        assert_released(executor_of(engine))
+    assert engine_threads() == []
+    assert not [t for t in threading.enumerate() if t.name == "diffusion-ray-liveness"]
+
+
+def executor_of(engine: DiffusionEngine) -> RayExecutor:
+    executor = engine.core.executor
+    assert isinstance(executor, RayExecutor)
+    return executor
+
+
+def assert_released(executor: RayExecutor) -> None:
+    """Every actor of the executor is dead and its placement group removed."""
+    for actor in executor.actors:
+        wait_until(lambda actor=actor: is_dead(actor), "the actor to end")
+    states = {entry["state"] for entry in placement_group_table().values()}
+    assert states <= {"REMOVED"}, states
+
+
+def is_dead(actor: Any) -> bool:
+    """Whether calls to ``actor`` fail because it ended (``ray.kill`` returns before that)."""
+    try:
+        ray.get(actor.ping.remote(), timeout=30)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+# -- generating across nodes -------------------------------------------------------------
+
+
+def test_workers_on_two_nodes_generate_as_one_process_does(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    engine = ray_engine()
+    executor = executor_of(engine)
+    assert len(set(executor.worker_node_ids)) == 2
+    prompts = ["cat", "dog", 7, "owl"]
+    outputs = engine.generate(prompts, FAST)
+    assert all(output.ok for output in outputs)
+    with DiffusionEngine.make_engine(
+        EngineConfig(pipeline="testing-faults", device="cpu", warmup=False)
+    ) as alone:
+        expected = alone.generate(prompts, FAST)
+    for got, want in zip(outputs, expected, strict=True):
+        assert got.image_batch is not None and want.image_batch is not None
+        assert got.image_batch.equal(want.image_batch)
+    snapshot = engine.snapshot()
+    assert not snapshot.scheduler_ids and not snapshot.executor_held_ids
+    assert not snapshot.runner_cached_ids
+
+
+def test_streamed_previews_and_large_images_cross_the_object_store(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    """Step mode with previews; a 192x192 image (432 KiB) is stored out of band by Ray."""
+    engine = ray_engine(
+        pipeline=PreviewingNoise, streaming_output=True, preview_interval=1, num_workers=1
+    )
+    large = SamplingParams(num_inference_steps=3, seed=9, height=192, width=192)
+
+    async def read() -> list[Any]:
+        rid = await engine.add_request("cat", large)
+        return [output async for output in engine.stream(rid)]
+
+    outputs = asyncio.run(read())
+    assert len(outputs) >= 2
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert all(o.image_batch is not None for o in outputs[:-1])  # the previews
+    with DiffusionEngine.make_engine(
+        EngineConfig(pipeline=PreviewingNoise, device="cpu", warmup=False)
+    ) as alone:
+        [expected] = alone.generate(["cat"], large)
+    final = outputs[-1]
+    assert final.ok and final.image_batch is not None and expected.image_batch is not None
+    assert final.image_batch.shape == (1, 3, 192, 192)
+    assert final.image_batch.equal(expected.image_batch)
+
+
+def test_rpc_replies_by_rank_time_out_and_refuse_bad_input(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    engine = ray_engine()
+    assert engine.collective_rpc("rank") == [0, 1]
+    assert engine.collective_rpc("rank", unique_reply_rank=1) == 1
+    with pytest.raises(RPCError, match="does not exist"):
+        engine.collective_rpc("rank", unique_reply_rank=2)
+    with pytest.raises(RPCError, match="not callable"):
+        engine.collective_rpc("no_such_method")
+    started = time.monotonic()
+    with pytest.raises(RPCError, match="timed out"):
+        engine.collective_rpc("nap", (3.0,), timeout=0.3)
+    assert time.monotonic() - started < 2.0
+    with pytest.raises(InvalidFieldError, match="prompt must be a str or an int"):
+        engine.generate([2.5], FAST)
+    with pytest.raises(InvalidFieldError, match="picklable"):
+        engine.generate([threading.Lock()], FAST)
+    # The timed-out nap ran to its end on the workers; the engine still serves.
+    [output] = engine.generate(["after"], FAST)
+    assert output.ok
+
+
+def test_config_fields_are_checked() -> None:
+    with pytest.raises(InvalidFieldError, match="ray_placement_strategy"):
+        ray_config(ray_placement_strategy="ANYWHERE")
+    with pytest.raises(InvalidFieldError, match="ray_cpus_per_worker"):
+        ray_config(ray_cpus_per_worker=-1)
+    with pytest.raises(InvalidFieldError, match="ray_liveness_timeout_s"):
+        ray_config(ray_liveness_timeout_s=0)
+    with pytest.raises(InvalidFieldError, match="ray_address"):
+        ray_config(ray_address="")
+    with pytest.raises(InvalidFieldError, match="init_distributed"):
+        RayExecutor(ray_config(init_distributed=True))
+
+
+def test_a_worker_that_cannot_start_releases_everything(two_nodes: Cluster) -> None:
+    with pytest.raises(Exception, match="no_such_module"):
+        RayExecutor(ray_config(pipeline="no_such_module:no-such-pipeline"))
+    with pytest.raises(Exception, match="could not reserve"):
+        RayExecutor(ray_config(num_workers=3, worker_start_timeout_s=0.5))
+    wait_until(lambda: set(placement_group_table_states()) <= {"REMOVED"}, "removal")
+
+
+def placement_group_table_states() -> list[str]:
+    return [entry["state"] for entry in placement_group_table().values()]
+
+
+# -- losing a worker mid-wave ------------------------------------------------------------
+
+
+def callers_during_a_held_wave(engine: DiffusionEngine) -> list[CallerOutcome]:
+    """Start a blocked wave and callers of every kind; return their outcome holders."""
+    holders = [CallerOutcome() for _ in range(3)]
+
+    def run_generate(prompt: str, holder: CallerOutcome) -> None:
+        try:
+            engine.generate([prompt], FAST)
+        except BaseException as exc:
+            holder.finish(exc)
+        else:
+            holder.finish(None)
+
+    async def add_and_stream(holder: CallerOutcome) -> None:
+        try:
+            rid = await engine.add_request("queued", FAST)
+            async for _ in engine.stream(rid):
+                pass
+        except BaseException as exc:
+            holder.finish(exc)
+        else:
+            holder.finish(None)
+
+    threading.Thread(target=run_generate, args=("gate", holders[0]), daemon=True).start()
+    wait_until(lambda: bool(executor_of(engine).held_request_ids()), "the gated wave")
+    threading.Thread(target=run_generate, args=("waiting", holders[1]), daemon=True).start()
+    threading.Thread(target=lambda: asyncio.run(add_and_stream(holders[2])), daemon=True).start()
+    wait_until(lambda: engine.queue_length >= 2, "the queued callers")
+    return holders
+
+
+class CallerOutcome:
+    """What one caller ended with, and when."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.at = 0.0
+
+    def finish(self, error: BaseException | None) -> None:
+        self.error, self.at = error, time.monotonic()
+        self.done.set()
+
+
+def assert_every_caller_failed_fast(holders: list[CallerOutcome], since: float) -> None:
+    for holder in holders:
+        assert holder.done.wait(ANSWER_BOUND_S + 5), "a caller was never answered"
+        assert isinstance(holder.error, EngineDeadError), holder.error
+        assert holder.at - since < ANSWER_BOUND_S, holder.at - since
+
+
+def test_a_killed_actor_fails_every_caller_and_the_engine(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    engine = ray_engine()
+    holders = callers_during_a_held_wave(engine)
+    pid = executor_of(engine).worker_pids[1]
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    assert_every_caller_failed_fast(holders, killed_at)
+    with pytest.raises(EngineDeadError):
+        engine.check_health()
+
+
+def test_a_removed_node_fails_every_caller_and_the_engine(
+    ray_engine: Callable[..., DiffusionEngine], two_nodes: Cluster
+) -> None:
+    engine = ray_engine()
+    holders = callers_during_a_held_wave(engine)
+    head_id = two_nodes.head_node.node_id
+    [doomed] = [
+        node
+        for node in two_nodes.list_all_nodes()
+        if node.node_id in executor_of(engine).worker_node_ids and node.node_id != head_id
+    ]
+    removed_at = time.monotonic()
+    two_nodes.remove_node(doomed)
+    assert_every_caller_failed_fast(holders, removed_at)
+    with pytest.raises(EngineDeadError):
+        engine.check_health()
+
+
+# -- the lifecycle harness ---------------------------------------------------------------
+
+
+def kill_rank_one(engine: DiffusionEngine) -> None:
+    os.kill(engine.collective_rpc("pid")[1], signal.SIGKILL)
+
+
+def harness(max_examples: int) -> type[unittest.TestCase]:
+    """The lifecycle harness (auditor, cleanup, solo-run equality) with a killed actor."""
+    return lifecycle_test_case(
+        lambda: ray_config(max_num_seqs=3),
+        prompts=st.sampled_from(["cat", "dog", 7]),
+        failing_prompts=st.sampled_from(["fail", "missing"]),
+        worker_killer=kill_rank_one,
+        settings=settings(
+            max_examples=max_examples,
+            stateful_step_count=8,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
+@pytest.mark.usefixtures("two_nodes")
+class TestLifecycleOverRayActors(harness(max_examples=2)):  # type: ignore[misc]
+    pass
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("two_nodes")
+class TestLifecycleOverRayActorsAtLength(harness(max_examples=20)):  # type: ignore[misc]
+    pass
