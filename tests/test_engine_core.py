@@ -129,3 +129,35 @@ def test_the_embedding_guide_custom_engine_runs(tmp_path: Path) -> None:
     from test_docs_examples import DOCS, run_block
 
     assert run_block(tmp_path, DOCS / "embedding.md", "EngineCore(") == "True\nTrue\n"
+
+
+def test_stream_refuses_an_unknown_id_and_another_event_loop_at_the_call() -> None:
+    config = EngineConfig(pipeline="testing-noise", device="cpu", warmup=False)
+    with DiffusionEngine(config) as engine:
+        try:
+            engine.stream("nope")
+        except KeyError as error:
+            assert "no unclaimed output stream for request 'nope'" in str(error)
+        else:
+            raise AssertionError("stream('nope') returned")
+
+        first = asyncio.new_event_loop()
+        try:
+            rid = first.run_until_complete(engine.add_request("a", FAST))
+
+            async def read_elsewhere() -> None:
+                engine.stream(rid)
+
+            try:
+                asyncio.run(read_elsewhere())
+            except RuntimeError as error:
+                assert "was added on another event loop" in str(error)
+            else:
+                raise AssertionError("a stream was read on another loop")
+
+            async def read_here() -> list[bool]:
+                return [o.ok async for o in engine.stream(rid)]
+
+            assert first.run_until_complete(read_here()) == [True]  # still claimable
+        finally:
+            first.close()
