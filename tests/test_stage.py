@@ -313,6 +313,18 @@ def test_streamed_outputs_and_previews_cross_as_in_process(shared: Shared) -> No
     assert all(o.status is S.RUNNING for o in remote[:-1]) and remote[-1].ok
 
 
+def test_a_prompt_nested_too_deep_is_refused_by_field_before_it_is_sent(shared: Shared) -> None:
+    deep: Any = "x"
+    for _ in range(5_000):
+        deep = [deep]
+    with pytest.raises(InvalidFieldError, match=r"request\.prompt "):
+        shared.run(shared.client.add_request(deep, SamplingParams(num_inference_steps=1)))
+    with pytest.raises(InvalidFieldError, match=r"request\.prompts "):
+        shared.run(
+            shared.client.add_batch_request(["a", deep], SamplingParams(num_inference_steps=1))
+        )
+
+
 def test_abort_ends_requests_and_batches_with_an_aborted_output(shared: Shared) -> None:
     client = shared.client
 
@@ -448,6 +460,9 @@ def test_bad_frames_never_kill_the_stage_and_sigterm_exits_143(tmp_path: Path) -
         for junk in (b"\xc1", b"", msgspec.msgpack.encode([1, 2]), encode(StatusQuery(0))[:-1]):
             requests.send(junk)
         requests.send(add("too-big", prompt="x" * 70_000))  # over max_frame_bytes: unread
+        # Nested deeper than any decoder goes (a one-element array, 3,000 times over).
+        too_deep = b"\x85" + add("too-deep")[1:] + msgspec.msgpack.encode("x") + b"\x91" * 3000
+        requests.send(too_deep + msgspec.msgpack.encode("p"))
         status_is_next(1)
 
         # Readable enough to name a request or a call: an Error reply says why.

@@ -52,6 +52,7 @@ from diffusion_runtime.stage.messages import (
 from diffusion_runtime.stage.proc import DEFAULT_MAX_FRAME_BYTES
 from diffusion_runtime.stage.process import DRAIN_S, StageProcess
 from diffusion_runtime.streams import AsyncStream, read_until_final
+from diffusion_runtime.validation import bounded_input
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,7 @@ class StageClient:
         ``DuplicateRequestError``, ``QueueFullError``) once the stage refuses it.
         """
         request_id = self._new_id(request_id)
+        bounded_input("request", "prompt", prompt)  # before encoding: no RecursionError
         message = AddRequest(request_id, prompt, params_to_msg(checked_params(params)))
         self._unclaimed[request_id] = await self._submit(request_id, message)
         return request_id
@@ -237,6 +239,7 @@ class StageClient:
         ``FINISHED_ABORTED``), and an error naming each such prompt by index.
         """
         request_id = self._new_id(request_id)
+        bounded_input("request", "prompts", list(prompts))
         message = AddBatchRequest(request_id, list(prompts), params_to_msg(checked_params(params)))
         stream = await self._submit(request_id, message)
         try:

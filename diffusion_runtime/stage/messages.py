@@ -208,7 +208,7 @@ def salvage_ids(data: bytes | memoryview) -> tuple[str | None, int | None]:
     """The ``request_id`` and ``call_id`` of a message that failed to decode, if readable."""
     try:
         loose = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None, None
     if not isinstance(loose, dict):
         return None, None

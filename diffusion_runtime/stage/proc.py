@@ -251,7 +251,7 @@ class StageProc:
         header = frames[0].buffer
         try:
             message = decode_to_stage(header)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # nested deeper than decodable
             await self._refuse(header, f"unreadable message: {exc}")
             return
         if len(frames) > 1:
