@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from diffusion_runtime.bench import summary_us
+from diffusion_runtime.bench import interleaved_generate_rates, summary_us
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
 from diffusion_runtime.engine import DiffusionEngine
@@ -195,20 +195,14 @@ def engine_throughput(
         )
         for backend in ("uni", "mp")
     }
-    rates: dict[str, list[float]] = {backend: [] for backend in engines}
     try:
         for engine in engines.values():
             engine.generate(prompts[:16], params)
-        for _ in range(repeats):
-            for backend, engine in engines.items():
-                start = time.perf_counter()
-                outputs = engine.generate(prompts, params)
-                rates[backend].append(num_requests / (time.perf_counter() - start))
-                assert all(o.ok for o in outputs)
+        rates = interleaved_generate_rates(engines, prompts, params, repeats)
     finally:
         for engine in engines.values():
             engine.close()
-    uni, mp = (statistics.median(rates[backend]) for backend in ("uni", "mp"))
+    uni, mp = rates["uni"], rates["mp"]
     return {
         "requests": num_requests,
         "pipeline": f"testing-noise {size}x{size}, {steps} steps, max_num_seqs 8",

@@ -34,7 +34,7 @@ from typing import Any
 
 import ray
 
-from diffusion_runtime.bench import summary_us
+from diffusion_runtime.bench import interleaved_generate_rates, summary_us
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import NewRequestData, SchedulerOutput
 from diffusion_runtime.engine import DiffusionEngine
@@ -179,18 +179,11 @@ def digits_throughput(num_requests: int, repeats: int, steps: int) -> dict[str, 
             )
             for backend in backends
         }
-        rates: dict[str, list[float]] = {backend: [] for backend in engines}
         try:
-            for _ in range(repeats):
-                for backend, engine in engines.items():
-                    start = time.perf_counter()
-                    outputs = engine.generate(prompts, params)
-                    rates[backend].append(num_requests / (time.perf_counter() - start))
-                    assert all(o.ok for o in outputs)
+            medians = interleaved_generate_rates(engines, prompts, params, repeats)
         finally:
             for engine in engines.values():
                 engine.close()
-        medians = {backend: statistics.median(r) for backend, r in rates.items()}
         entry: dict[str, Any] = {
             f"{backend}_requests_per_s": round(rate, 1) for backend, rate in medians.items()
         }
