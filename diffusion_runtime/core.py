@@ -325,11 +325,6 @@ class EngineCore:
             unclaimed_stream_ids=frozenset(),
         )
 
-    @property
-    def dead(self) -> EngineDeadError | None:
-        """Why the core died, or ``None`` while it lives."""
-        return self._dead
-
     def shutdown(self, reason: str = "the engine was shut down") -> list[RequestOutput]:
         """Abort every active request, let the workers drop their state, and stop
         the executor. Returns the final outputs of the requests it ended.

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import random
-import secrets
 import threading
 import time
 from collections.abc import AsyncGenerator, Iterable, Sequence
@@ -15,12 +12,12 @@ from typing import Any
 import attrs
 import ray
 
+from diffusion_runtime.admission import RequestMinter
 from diffusion_runtime.engine import EngineSnapshot
 from diffusion_runtime.errors import (
     DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
-    InvalidFieldError,
 )
 from diffusion_runtime.executor.ray.connection import RayConnection
 from diffusion_runtime.executor.ray.failures import is_lost_worker, remote_cause
@@ -30,12 +27,11 @@ from diffusion_runtime.replicas.config import ReplicaSetConfig
 from diffusion_runtime.replicas.heartbeat import Heartbeat
 from diffusion_runtime.replicas.replica import EngineReplica
 from diffusion_runtime.replicas.router import LoadRouter
-from diffusion_runtime.sampling_params import MAX_SEED, SamplingParams, checked_params
+from diffusion_runtime.sampling_params import SamplingParams, checked_params
 from diffusion_runtime.sampling_params import prompts_and_params as split_prompts
 
 logger = logging.getLogger(__name__)
 
-MAX_REQUEST_ID_LENGTH = 256
 # How long close() lets each replica close its engine before its actor is killed.
 _CLOSE_GRACE_S = 10.0
 
@@ -68,9 +64,7 @@ class ReplicaSet:
         self._closed = False
         self._lock = threading.Lock()
         self._owner: dict[str, tuple[int, int]] = {}  # id -> (replica, seed)
-        self._id_prefix = secrets.token_hex(4)
-        self._id_counter = itertools.count()
-        self._seeds = random.Random(secrets.randbits(64))
+        self._minter = RequestMinter()
         self._router = LoadRouter(config.num_replicas, config.routing)
         RayConnection.acquire(config.ray_address)
         actor_class = ray.remote(EngineReplica)
@@ -262,17 +256,8 @@ class ReplicaSet:
         self.check_health()
         checked = checked_params(params)
         if checked.seed is None:
-            checked = attrs.evolve(checked, seed=self._seeds.randint(0, MAX_SEED))
-        if request_id is None:
-            request_id = f"{self._id_prefix}-{next(self._id_counter)}"
-        elif not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH:
-            raise InvalidFieldError(
-                "request",
-                "request_id",
-                f"must be a non-empty str of at most {MAX_REQUEST_ID_LENGTH} characters",
-                request_id,
-            )
-        return prompt, checked, request_id
+            checked = attrs.evolve(checked, seed=self._minter.seed(checked))
+        return prompt, checked, self._minter.request_id(request_id)
 
     def _route(self, request_id: str, params: SamplingParams) -> int:
         assert params.seed is not None  # fixed by _prepare
