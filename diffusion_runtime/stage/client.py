@@ -10,7 +10,6 @@ import secrets
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from typing import Any
 
-import msgspec
 import zmq
 
 from diffusion_runtime.config import EngineConfig
@@ -29,7 +28,13 @@ from diffusion_runtime.stage.codec import (
     output_from_frames,
     params_to_msg,
 )
-from diffusion_runtime.stage.endpoints import LOOPBACK, TRANSPORTS
+from diffusion_runtime.stage.endpoints import (
+    DEFAULT_MAX_REPLY_BYTES,
+    LOOPBACK,
+    TRANSPORTS,
+    checked_frame_limit,
+    checked_host,
+)
 from diffusion_runtime.stage.errors import StageProtocolError
 from diffusion_runtime.stage.messages import (
     Abort,
@@ -65,7 +70,11 @@ class StageClient:
     Use it on one event loop, as ``async with StageClient(config) as client:``
     or ``await client.start()`` ... ``await client.shutdown()``. ``transport``
     is ``"ipc"`` (socket files in a private directory) or ``"tcp"`` (ports on
-    ``host``, loopback unless asked otherwise). When the stage dies, every
+    ``host``, loopback unless asked otherwise; every interface only with
+    ``allow_all_interfaces=True``), authenticated both ways with per-launch
+    CURVE keys. The stage refuses request frames over ``max_frame_bytes``
+    (the client refuses to send one), the client reply frames over
+    ``max_reply_bytes``. When the stage dies, every
     pending call fails at once with :class:`EngineDeadError`, and so does
     every later one.
     """
@@ -79,6 +88,8 @@ class StageClient:
         start_timeout_s: float = 300.0,
         shutdown_grace_s: float = 5.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        allow_all_interfaces: bool = False,
     ) -> None:
         if transport not in TRANSPORTS:
             raise InvalidFieldError(
@@ -86,10 +97,11 @@ class StageClient:
             )
         self._config = portable_config(config)
         self._transport = transport
-        self._host = host
+        self._host = checked_host(host, allow_all_interfaces)
         self._start_timeout_s = start_timeout_s
         self._shutdown_grace_s = shutdown_grace_s
-        self._max_frame_bytes = max_frame_bytes
+        self._max_frame_bytes = checked_frame_limit("max_frame_bytes", max_frame_bytes)
+        self._max_reply_bytes = checked_frame_limit("max_reply_bytes", max_reply_bytes)
         self._stage: StageProcess | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._closed = False
@@ -115,6 +127,7 @@ class StageClient:
             self._transport,
             self._host,
             self._max_frame_bytes,
+            self._max_reply_bytes,
             self._start_timeout_s,
         )
         self._receiver = asyncio.create_task(self._receive(self._stage))
@@ -325,6 +338,10 @@ class StageClient:
             raise InvalidFieldError(
                 "request", field, f"must be msgpack-encodable to reach the stage ({exc})", message
             ) from None
+        if len(frame) > self._max_frame_bytes:  # the stage would drop this connection
+            field = "prompt" if isinstance(message, AddRequest) else "prompts"
+            rule = f"must encode to at most max_frame_bytes ({self._max_frame_bytes}) bytes"
+            raise InvalidFieldError("request", field, rule, f"{len(frame)} bytes")
         loop = asyncio.get_running_loop()
         stream = AsyncStream(loop, AsyncStream.wake)
         admitted: asyncio.Future[None] = loop.create_future()
@@ -356,6 +373,8 @@ class StageClient:
             frame = encode(make(call_id))
         except TypeError as exc:
             raise RPCError(f"the call's arguments cannot cross as msgpack: {exc}") from None
+        if len(frame) > self._max_frame_bytes:  # the stage would drop this connection
+            raise RPCError(f"the call is {len(frame)} bytes, over max_frame_bytes")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
@@ -401,8 +420,8 @@ class StageClient:
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
         try:
             message = decode_from_stage(frames[0].buffer)
-        except msgspec.DecodeError as exc:
-            logger.error("dropped an unreadable message from the stage: %s", exc)
+        except Exception as exc:  # any decode failure: malformed, too deep, too large
+            logger.error("dropped an unreadable message from the stage: %r", exc)
             return
         if isinstance(message, Result):
             self._on_result(message, frames[1:])

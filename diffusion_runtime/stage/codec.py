@@ -11,8 +11,10 @@ import torch
 import zmq
 
 from diffusion_runtime import errors
+from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.outputs import RequestMetrics, RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.stage.endpoints import DEFAULT_MAX_REPLY_BYTES
 from diffusion_runtime.stage.errors import StageProtocolError
 from diffusion_runtime.stage.messages import (
     Error,
@@ -40,6 +42,9 @@ DTYPES: dict[str, torch.dtype] = {
     )
 }
 
+#: The largest size of one tensor dimension (torch sizes are signed 64-bit).
+MAX_DIM = 2**63 - 1
+
 # -- sampling params -------------------------------------------------------------------
 
 
@@ -66,12 +71,17 @@ def tensor_to_frame(tensor: torch.Tensor) -> tuple[TensorMeta, memoryview]:
 
 
 def tensor_from_frame(meta: TensorMeta, frame: zmq.Frame) -> torch.Tensor:
-    """A tensor over the frame's own memory (no copy); the frame lives as long as it."""
+    """A tensor over the frame's own memory (no copy); the frame lives as long as it.
+
+    Any layout the frame cannot hold (an unknown dtype, a negative or
+    overflowing size, a byte count that does not match) is a
+    :class:`StageProtocolError`.
+    """
     dtype = DTYPES.get(meta.dtype)
     if dtype is None:
         raise StageProtocolError(f"unknown tensor dtype {meta.dtype!r}")
-    if any(size < 0 for size in meta.shape):
-        raise StageProtocolError(f"negative size in tensor shape {meta.shape}")
+    if any(not 0 <= size <= MAX_DIM for size in meta.shape):
+        raise StageProtocolError(f"a tensor shape's sizes must be in [0, 2**63); got {meta.shape}")
     expected = math.prod(meta.shape) * dtype.itemsize
     buffer = frame.buffer
     if buffer.nbytes != expected:
@@ -79,23 +89,41 @@ def tensor_from_frame(meta: TensorMeta, frame: zmq.Frame) -> torch.Tensor:
             f"a {meta.dtype} tensor of shape {meta.shape} needs {expected} bytes; "
             f"the frame holds {buffer.nbytes}"
         )
-    if expected == 0:
-        return torch.empty(meta.shape, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=dtype).view(meta.shape)
+    try:
+        if expected == 0:
+            return torch.empty(meta.shape, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).view(meta.shape)
+    except (RuntimeError, ValueError, TypeError) as exc:  # torch's own limits on shapes
+        raise StageProtocolError(f"a tensor of shape {meta.shape} cannot be built: {exc}") from None
 
 
-def output_to_frames(output: RequestOutput) -> tuple[Result, memoryview | None]:
-    """The :class:`Result` message for ``output`` and its image frame, if it has images."""
+def output_to_frames(
+    output: RequestOutput, max_image_bytes: int = DEFAULT_MAX_REPLY_BYTES
+) -> tuple[Result, memoryview | None]:
+    """The :class:`Result` message for ``output`` and its image frame, if it has images.
+
+    Images over ``max_image_bytes`` (the client's frame limit) cannot cross: a
+    preview goes without them, and a completed output becomes an error saying so.
+    """
     meta, payload = (None, None)
+    status, error = output.status, output.error
     if output.image_batch is not None:
         meta, payload = tensor_to_frame(output.image_batch)
+        if payload.nbytes > max_image_bytes:
+            meta, payload = (None, None)
+            if status is RequestStatus.FINISHED_COMPLETED:
+                status = RequestStatus.FINISHED_ERROR
+                error = (
+                    f"the output's images ({output.image_batch.nbytes} bytes) are over the "
+                    f"client's max_reply_bytes ({max_image_bytes})"
+                )
     metrics = None if output.metrics is None else MetricsMsg(**attrs.asdict(output.metrics))
     result = Result(
         request_id=output.request_id,
-        status=output.status,
+        status=status,
         finished=output.finished,
         seed=output.seed,
-        error=output.error,
+        error=error,
         metrics=metrics,
         step=output.step,
         num_steps=output.num_steps,

@@ -25,7 +25,6 @@ from types import FrameType
 from typing import Any
 
 import attrs
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -44,7 +43,7 @@ from diffusion_runtime.sampling_params import MAX_SEED
 from diffusion_runtime.stage.allow_list import rpc_allow_list
 from diffusion_runtime.stage.batch import merge_batch
 from diffusion_runtime.stage.codec import error_to_msg, output_to_frames, params_from_msg
-from diffusion_runtime.stage.endpoints import bind
+from diffusion_runtime.stage.endpoints import DEFAULT_MAX_REPLY_BYTES, bind, reap_stale_socket_dirs
 from diffusion_runtime.stage.errors import StageProtocolError
 from diffusion_runtime.stage.messages import (
     Abort,
@@ -64,6 +63,7 @@ from diffusion_runtime.stage.messages import (
     encode,
     salvage_ids,
 )
+from diffusion_runtime.stage.security import CurveGuard, CurveIdentity, secure_sockets
 
 logger = logging.getLogger(__name__)
 
@@ -86,20 +86,28 @@ class StageSpec:
 
     ``reply_endpoint`` is the client's bound PULL socket; ``request_address``
     is where the stage binds its own PULL socket; a request message larger
-    than ``max_frame_bytes`` is dropped unread.
+    than ``max_frame_bytes`` is dropped unread (a frame that large drops its
+    sender), and images over ``max_reply_bytes`` are not sent. ``curve`` is
+    the stage's CURVE credentials (TCP), None for IPC.
     """
 
     config: EngineConfig
     reply_endpoint: str
     request_address: str
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    curve: CurveIdentity | None = None
 
 
 def run_stage(spec: StageSpec) -> None:
     """The process's entry point: serve, then exit with the stage's exit code."""
     for signum in _SIGNALS:
         signal.signal(signum, _exit_on_signal)
-    sys.exit(asyncio.run(StageProc(spec).run()))
+    try:
+        code = asyncio.run(StageProc(spec).run())
+    finally:  # an orphaned stage removes its dead client's socket directory
+        reap_stale_socket_dirs()
+    sys.exit(code)
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
@@ -126,6 +134,7 @@ class StageProc:
         self._background: set[asyncio.Task[Any]] = set()
         self._done: asyncio.Future[int] | None = None
         self._dead_reason: str | None = None
+        self._guard: CurveGuard | None = None
 
     @property
     def engine(self) -> DiffusionEngine:
@@ -138,6 +147,10 @@ class StageProc:
         self._replies = self._ctx.socket(zmq.PUSH)
         self._requests = self._ctx.socket(zmq.PULL)
         try:
+            spec = self._spec
+            self._guard = secure_sockets(
+                self._ctx, self._requests, self._replies, spec.max_frame_bytes, spec.curve
+            )
             self._replies.connect(self._spec.reply_endpoint)
             try:
                 self._engine = DiffusionEngine.make_engine(self._spec.config)
@@ -161,6 +174,8 @@ class StageProc:
             self._engine.close()
         self._requests.close(linger=0)
         self._replies.close(linger=FINAL_LINGER_MS)
+        if self._guard is not None:
+            self._guard.close()
         self._ctx.term()
 
     # -- serving -------------------------------------------------------------------------
@@ -251,7 +266,7 @@ class StageProc:
         header = frames[0].buffer
         try:
             message = decode_to_stage(header)
-        except (msgspec.DecodeError, RecursionError) as exc:  # nested deeper than decodable
+        except Exception as exc:  # any decode failure: malformed, too deep, too large
             await self._refuse(header, f"unreadable message: {exc}")
             return
         if len(frames) > 1:
@@ -305,7 +320,7 @@ class StageProc:
         """Send each output of one request as it comes."""
         try:
             async for output in self.engine.stream(request_id):
-                result, payload = output_to_frames(output)
+                result, payload = output_to_frames(output, self._spec.max_reply_bytes)
                 await self._send(result, payload)
         except EngineDeadError as exc:
             self._fail(str(exc))
@@ -347,7 +362,9 @@ class StageProc:
     async def _relay_batch(self, batch_id: str, finals: list[asyncio.Task[RequestOutput]]) -> None:
         try:
             outputs = await asyncio.gather(*finals)
-            result, payload = output_to_frames(merge_batch(batch_id, outputs))
+            result, payload = output_to_frames(
+                merge_batch(batch_id, outputs), self._spec.max_reply_bytes
+            )
             await self._send(result, payload)
         except EngineDeadError as exc:
             self._fail(str(exc))

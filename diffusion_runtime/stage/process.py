@@ -19,6 +19,7 @@ from diffusion_runtime.stage.endpoints import SocketDir, bind, bind_address
 from diffusion_runtime.stage.errors import StageStartError
 from diffusion_runtime.stage.messages import Ready, Shutdown, StartFailed, decode_from_stage, encode
 from diffusion_runtime.stage.proc import StageSpec, run_stage
+from diffusion_runtime.stage.security import CurveGuard, launch_identities, secure_sockets
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,9 @@ TERMINATE_WAIT_S = 5.0
 
 
 class StageProcess:
-    """Owns the stage's process, the ZMQ context with both client sockets, and the
-    private socket directory; :meth:`stop` ends and releases them all.
+    """Owns the stage's process, the ZMQ context with both client sockets, their
+    CURVE guard (TCP) and the private socket directory (IPC); :meth:`stop` ends
+    and releases them all.
 
     ``exited`` is done the moment the process exits, however it exits (its
     sentinel is watched by the event loop, so this costs no polling).
@@ -43,6 +45,7 @@ class StageProcess:
         replies: zmq.asyncio.Socket,
         requests: zmq.asyncio.Socket,
         socket_dir: SocketDir | None,
+        guard: CurveGuard | None,
     ) -> None:
         self.replies = replies
         self.requests = requests
@@ -53,7 +56,7 @@ class StageProcess:
         self._exitcode: int | None = None
         self._stopped = False
         self._finalizer = weakref.finalize(
-            self, _release, process, ctx, (replies, requests), socket_dir
+            self, _release, process, ctx, (replies, requests), socket_dir, guard
         )
         # Runs before multiprocessing's own exit hook, which would wait for the stage forever.
         atexit.register(self._finalizer)
@@ -68,9 +71,14 @@ class StageProcess:
         transport: str,
         host: str,
         max_frame_bytes: int,
+        max_reply_bytes: int,
         start_timeout_s: float,
     ) -> StageProcess:
         """Spawn the stage and wait until it is :class:`Ready`.
+
+        Over TCP both sides get fresh CURVE keys; the stage's travel in the
+        spawn arguments. The stage refuses request frames over
+        ``max_frame_bytes``, the client reply frames over ``max_reply_bytes``.
 
         Raises :class:`StageStartError` (with the exit code and the stage's own
         error, when it sent one) if it fails, exits or times out; by then
@@ -80,23 +88,32 @@ class StageProcess:
         ctx = zmq.asyncio.Context()
         replies = ctx.socket(zmq.PULL)
         requests = ctx.socket(zmq.PUSH)
+        guard = None
         try:
+            client_identity, stage_identity = (
+                launch_identities() if transport == "tcp" else (None, None)
+            )
+            guard = secure_sockets(ctx, replies, requests, max_reply_bytes, client_identity)
             spec = StageSpec(
                 config=config,
                 reply_endpoint=bind(replies, bind_address(transport, host, socket_dir, "replies")),
                 request_address=bind_address(transport, host, socket_dir, "requests"),
                 max_frame_bytes=max_frame_bytes,
+                max_reply_bytes=max_reply_bytes,
+                curve=stage_identity,
             )
             process = multiprocessing.get_context("spawn").Process(
                 target=run_stage, args=(spec,), name="diffusion-stage"
             )
             process.start()
         except BaseException:
+            if guard is not None:
+                guard.close()
             ctx.destroy(linger=0)
             if socket_dir is not None:
                 socket_dir.close()
             raise
-        stage = cls(process, ctx, replies, requests, socket_dir)
+        stage = cls(process, ctx, replies, requests, socket_dir, guard)
         try:
             stage.ready = await stage._handshake(start_timeout_s)
             requests.connect(stage.ready.request_endpoint)
@@ -212,6 +229,7 @@ def _release(
     ctx: zmq.asyncio.Context,
     sockets: tuple[zmq.asyncio.Socket, ...],
     socket_dir: SocketDir | None,
+    guard: CurveGuard | None,
 ) -> None:
     """Release what a stage owns; when its owner never stopped it, kill it first.
 
@@ -224,6 +242,8 @@ def _release(
     process.close()
     for socket in sockets:
         socket.close(linger=0)
+    if guard is not None:
+        guard.close()
     ctx.term()
     if socket_dir is not None:
         socket_dir.close()
