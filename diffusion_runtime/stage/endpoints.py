@@ -8,6 +8,7 @@ unless the caller opts into every interface.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import re
 import shutil
@@ -36,8 +37,8 @@ class SocketDir:
 
     Its name starts with ``diffusion-stage-<owner pid>-``. Its owner removes it,
     socket files and all, with :meth:`close` (idempotent); if the owner is killed
-    first, its stage removes it on the way out, or the next launch does
-    (:func:`reap_stale_socket_dirs`).
+    first, its stage removes it on the way out (:func:`remove_orphaned_socket_dir`),
+    or the next launch does (:func:`reap_stale_socket_dirs`).
     """
 
     def __init__(self) -> None:
@@ -74,14 +75,32 @@ def reap_stale_socket_dirs(parent: str | None = None) -> list[str]:
     return reaped
 
 
+def remove_orphaned_socket_dir(request_address: str) -> None:
+    """In the stage process: remove the socket directory of ``request_address`` if
+    the client that made it (this process's parent) is gone."""
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.is_alive() or not request_address.startswith("ipc://"):
+        return
+    socket_dir = Path(request_address.removeprefix("ipc://")).parent
+    if socket_dir.name.startswith(SOCKET_DIR_PREFIX):
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
 def _is_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    except PermissionError:  # someone else's process
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # someone else's process
+            return True
         return True
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def checked_host(host: object, allow_all_interfaces: bool) -> str:

@@ -43,7 +43,11 @@ from diffusion_runtime.sampling_params import MAX_SEED
 from diffusion_runtime.stage.allow_list import rpc_allow_list
 from diffusion_runtime.stage.batch import merge_batch
 from diffusion_runtime.stage.codec import error_to_msg, output_to_frames, params_from_msg
-from diffusion_runtime.stage.endpoints import DEFAULT_MAX_REPLY_BYTES, bind, reap_stale_socket_dirs
+from diffusion_runtime.stage.endpoints import (
+    DEFAULT_MAX_REPLY_BYTES,
+    bind,
+    remove_orphaned_socket_dir,
+)
 from diffusion_runtime.stage.errors import StageProtocolError
 from diffusion_runtime.stage.messages import (
     Abort,
@@ -106,7 +110,7 @@ def run_stage(spec: StageSpec) -> None:
     try:
         code = asyncio.run(StageProc(spec).run())
     finally:  # an orphaned stage removes its dead client's socket directory
-        reap_stale_socket_dirs()
+        remove_orphaned_socket_dir(spec.request_address)
     sys.exit(code)
 
 

@@ -19,7 +19,12 @@ from diffusion_runtime.stage.endpoints import SocketDir, bind, bind_address
 from diffusion_runtime.stage.errors import StageStartError
 from diffusion_runtime.stage.messages import Ready, Shutdown, StartFailed, decode_from_stage, encode
 from diffusion_runtime.stage.proc import StageSpec, run_stage
-from diffusion_runtime.stage.security import CurveGuard, launch_identities, secure_sockets
+from diffusion_runtime.stage.security import (
+    CurveGuard,
+    CurveIdentity,
+    launch_identities,
+    secure_sockets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +50,14 @@ class StageProcess:
         replies: zmq.asyncio.Socket,
         requests: zmq.asyncio.Socket,
         socket_dir: SocketDir | None,
+        identity: CurveIdentity | None,
         guard: CurveGuard | None,
     ) -> None:
         self.replies = replies
         self.requests = requests
         self.socket_dir = socket_dir
+        #: The client's CURVE credentials for this launch (TCP), None for IPC.
+        self.identity = identity
         self.ready: Ready | None = None
         self._process = process
         self.pid: int = process.pid or 0
@@ -88,7 +96,7 @@ class StageProcess:
         ctx = zmq.asyncio.Context()
         replies = ctx.socket(zmq.PULL)
         requests = ctx.socket(zmq.PUSH)
-        guard = None
+        guard, client_identity = None, None
         try:
             client_identity, stage_identity = (
                 launch_identities() if transport == "tcp" else (None, None)
@@ -113,7 +121,7 @@ class StageProcess:
             if socket_dir is not None:
                 socket_dir.close()
             raise
-        stage = cls(process, ctx, replies, requests, socket_dir, guard)
+        stage = cls(process, ctx, replies, requests, socket_dir, client_identity, guard)
         try:
             stage.ready = await stage._handshake(start_timeout_s)
             requests.connect(stage.ready.request_endpoint)
