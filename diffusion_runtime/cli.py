@@ -241,6 +241,7 @@ BENCHMARKS = {
     "dit": "diffusion_runtime.bench.dit:run",
     "digits": "diffusion_runtime.bench.digits:run",
     "stage": "diffusion_runtime.bench.stage:run",
+    "stage-transport": "diffusion_runtime.bench.stage_transport:run",
     "ipc": "diffusion_runtime.bench.ipc:run",
     "http": "diffusion_runtime.bench.http:run",
     "ray": "diffusion_runtime.bench.ray:run",

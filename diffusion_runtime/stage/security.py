@@ -81,6 +81,23 @@ class CurveGuard:
             self._authenticator = None
 
 
+def serve_only_peer(
+    ctx: zmq.Context[Any], receiver: zmq.Socket[Any], identity: CurveIdentity
+) -> CurveGuard:
+    """Make ``receiver`` (before it binds) a CURVE server that admits only the peer's key."""
+    guard = CurveGuard(ctx, identity.peer_public)
+    receiver.curve_server = True
+    receiver.curve_secretkey = identity.own.secret
+    return guard
+
+
+def trust_only_peer(sender: zmq.Socket[Any], identity: CurveIdentity) -> None:
+    """Make ``sender`` (before it connects) a CURVE client of the peer's server key."""
+    sender.curve_publickey = identity.own.public
+    sender.curve_secretkey = identity.own.secret
+    sender.curve_serverkey = identity.peer_public
+
+
 def secure_sockets(
     ctx: zmq.Context[Any],
     receiver: zmq.Socket[Any],
@@ -97,10 +114,5 @@ def secure_sockets(
     limit_inbound(receiver, max_frame_bytes)
     if identity is None:
         return None
-    guard = CurveGuard(ctx, identity.peer_public)
-    receiver.curve_server = True
-    receiver.curve_secretkey = identity.own.secret
-    sender.curve_publickey = identity.own.public
-    sender.curve_secretkey = identity.own.secret
-    sender.curve_serverkey = identity.peer_public
-    return guard
+    trust_only_peer(sender, identity)
+    return serve_only_peer(ctx, receiver, identity)
