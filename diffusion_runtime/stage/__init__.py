@@ -5,7 +5,8 @@ Modules, one job each: :mod:`.client` (:class:`StageClient`, the asyncio API),
 :mod:`.proc` (the stage process itself), :mod:`.messages` (the typed protocol),
 :mod:`.codec` (runtime objects to messages and back), :mod:`.batch` (merging a
 batch request's outputs), :mod:`.allow_list` (which RPC methods may be called),
-:mod:`.endpoints` (socket addresses and the private socket directory).
+:mod:`.endpoints` (socket addresses, frame limits and the private socket
+directory), :mod:`.security` (CURVE authentication of TCP sockets).
 """
 
 from diffusion_runtime.stage.client import StageClient
