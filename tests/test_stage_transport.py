@@ -457,6 +457,18 @@ def test_binding_every_interface_needs_an_opt_in(caplog: pytest.LogCaptureFixtur
     assert "binds every interface" in caplog.text
 
 
+def test_frame_limits_are_refused_by_field_unless_positive_int64s() -> None:
+    config = stage_config(Path())
+    for field, value in [
+        ("max_frame_bytes", 0),
+        ("max_reply_bytes", 2**63),
+        ("max_frame_bytes", True),
+    ]:
+        with pytest.raises(InvalidFieldError) as refused:
+            StageClient(config, **{field: value})
+        assert refused.value.field == field and "[1, 2**63)" in refused.value.rule
+
+
 # -- the socket directory --------------------------------------------------------------
 
 KILLED_CLIENT = """

@@ -127,9 +127,9 @@ def checked_host(host: object, allow_all_interfaces: bool) -> str:
 
 
 def checked_frame_limit(field: str, value: object) -> int:
-    """``value`` if it is a positive int: a frame limit in bytes."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidFieldError("StageClient", field, "must be a positive int (bytes)", value)
+    """``value`` if it is an int in [1, 2**63): a frame limit in bytes."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**63:
+        raise InvalidFieldError("StageClient", field, "must be an int in [1, 2**63) bytes", value)
     return value
 
 

@@ -10,7 +10,6 @@ import signal
 import weakref
 from multiprocessing.process import BaseProcess
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -196,8 +195,8 @@ class StageProcess:
                 )
             try:
                 message = decode_from_stage(receive.result()[0].buffer)
-            except msgspec.DecodeError as exc:
-                raise StageStartError(f"the stage's first message is unreadable: {exc}") from exc
+            except Exception as exc:  # any decode failure: malformed, too deep, too large
+                raise StageStartError(f"the stage's first message is unreadable: {exc!r}") from exc
         finally:
             receive.cancel()
         if isinstance(message, Ready):
