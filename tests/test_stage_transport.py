@@ -26,11 +26,11 @@ import pytest
 import torch
 import zmq
 from conftest import child_pids
-from test_stage import Gate, stage_config, until, wait_for
+from test_stage import Gate, Probe, stage_config, until, wait_for
 from zmq.utils import garbage
 from zmq.utils.monitor import recv_monitor_message
 
-from diffusion_runtime import InvalidFieldError, RequestStatus, SamplingParams
+from diffusion_runtime import InvalidFieldError, RequestStatus, RPCError, SamplingParams
 from diffusion_runtime.stage import StageClient
 from diffusion_runtime.stage.codec import tensor_from_frame
 from diffusion_runtime.stage.endpoints import (
@@ -184,7 +184,7 @@ class Stages:
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stages]:
     gate_dir = tmp_path_factory.mktemp("gate")
-    config = stage_config(gate_dir, max_num_seqs=1)
+    config = stage_config(gate_dir, max_num_seqs=1, worker_extensions=(Probe,))
     loop = asyncio.new_event_loop()
     ipc = StageClient(config, max_frame_bytes=FRAME_LIMIT, max_reply_bytes=REPLY_LIMIT)
     tcp = StageClient(config, transport="tcp")
@@ -262,6 +262,12 @@ def test_the_client_drops_an_oversized_reply_frame_and_the_stage_never_sends_one
     assert fits.status is S.FINISHED_COMPLETED and fits.image_batch.shape[0] == 4
     assert too_big.status is S.FINISHED_ERROR and too_big.image_batch is None
     assert "over the client's max_reply_bytes (16384)" in too_big.error
+
+    # An RPC reply over the limit is refused by the stage instead of sent.
+    assert stages.run(stages.ipc.collective_rpc("echo", ["x" * 1000])) == ["x" * 1000]
+    with pytest.raises(RPCError, match="over the client's max_reply_bytes"):
+        stages.run(stages.ipc.collective_rpc("echo", ["x" * REPLY_LIMIT]))
+    stages.serves(stages.ipc)
 
 
 # -- malformed replies -----------------------------------------------------------------

@@ -410,6 +410,13 @@ class StageProc:
             refusal = RPCError(f"the reply of {message.method!r} cannot cross as msgpack: {exc}")
             await self._reply_error(refusal, call_id=message.call_id)
             return
+        if len(frame) > self._spec.max_reply_bytes:  # the client would drop this connection
+            refusal = RPCError(
+                f"the reply of {message.method!r} is {len(frame)} bytes, over the client's "
+                f"max_reply_bytes ({self._spec.max_reply_bytes})"
+            )
+            await self._reply_error(refusal, call_id=message.call_id)
+            return
         await self._replies.send(frame)
 
     async def _status(self, message: StatusQuery) -> None:
