@@ -149,7 +149,8 @@ async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
 
 
 def stage_dirs() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("diffusion-stage-*")}
+    """This process's socket directories (named by their owner's pid)."""
+    return {p.name for p in Path(tempfile.gettempdir()).glob(f"diffusion-stage-{os.getpid()}-*")}
 
 
 class Gate:

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ import pytest
 import torch
 import zmq
 from conftest import child_pids
-from test_stage import Gate, Probe, stage_config, until, wait_for
+from test_stage import Gate, Probe, stage_config, stage_dirs, until, wait_for
 from zmq.utils import garbage
 from zmq.utils.monitor import recv_monitor_message
 
@@ -70,18 +69,14 @@ DROPPED = (
 )
 
 
-def my_socket_dirs() -> set[str]:
-    return {str(p) for p in Path(tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}{os.getpid()}-*")}
-
-
 @pytest.fixture(autouse=True)
 def nothing_left_behind() -> Iterator[None]:
     """After each test: no process, thread or socket directory of this process's."""
-    children, threads, dirs = child_pids(), set(threading.enumerate()), my_socket_dirs()
+    children, threads, dirs = child_pids(), set(threading.enumerate()), stage_dirs()
     yield
     assert wait_for(lambda: child_pids() <= children), child_pids() - children
     assert wait_for(lambda: set(threading.enumerate()) <= threads)
-    assert my_socket_dirs() <= dirs
+    assert stage_dirs() <= dirs
 
 
 # -- the attacker ----------------------------------------------------------------------
