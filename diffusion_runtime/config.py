@@ -132,6 +132,12 @@ class EngineConfig:
     placement group bundle, placed by ``ray_placement_strategy``; a worker that
     leaves a liveness ping unanswered for ``ray_liveness_timeout_s`` is taken
     for dead.
+
+    ``overlap_outputs`` (default on) lets a CUDA worker return a wave as soon
+    as its work is enqueued and copy its images to pinned host memory on a
+    side stream, so the next step is scheduled while the copy runs; outputs
+    are delivered once their copy is done (see ``docs/gpu.md``). Off, every
+    wave waits for its copy. It changes nothing on the CPU.
     """
 
     pipeline: str | Callable[..., Any] = attrs.field(default="digits", validator=_is_pipeline_spec)
@@ -161,6 +167,7 @@ class EngineConfig:
     worker_liveness_timeout_s: float = attrs.field(
         default=5.0, validator=finite_in_range(0.1, 3_600.0)
     )
+    overlap_outputs: bool = attrs.field(default=True, validator=is_bool)
     intra_op_threads: int | None = attrs.field(
         default=None, validator=int_in_range(1, 1024, optional=True)
     )

@@ -8,6 +8,7 @@ another to speak this contract.
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import attrs
@@ -53,6 +54,39 @@ class SchedulerOutput:
         return bool(self.scheduled_new_reqs or self.scheduled_cached_ids)
 
 
+class OutputFence(abc.ABC):
+    """Whether a result's tensors have reached host memory: its second phase.
+
+    A wave's result is handed back once its work is enqueued on the device
+    (compute done); its ``images`` and ``previews`` are host tensors that may
+    still be being written. The fence says when they are complete (output
+    ready). On the CPU there is nothing to wait for: the fence is :data:`READY`.
+    """
+
+    @abc.abstractmethod
+    def is_ready(self) -> bool:
+        """True once every tensor of the result is in host memory (never blocks)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block until :meth:`is_ready`; raise if the copy failed."""
+
+
+@attrs.frozen
+class ReadyFence(OutputFence):
+    """The fence of a result whose tensors were complete when it was returned."""
+
+    def is_ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+#: The fence of every result produced without a device copy in flight.
+READY: OutputFence = ReadyFence()
+
+
 @attrs.frozen(slots=True)
 class RunnerOutput:
     """Per-request results of one scheduler output.
@@ -66,6 +100,8 @@ class RunnerOutput:
     ``executed`` lists the ids handed to the pipeline, in order; ``created`` and
     ``released`` the ids whose runner state was created or dropped (the trace
     and the auditor check them against the scheduler's output).
+    ``output_ready`` tells when ``images`` and ``previews`` are complete (see
+    :class:`OutputFence`); read no tensor of them before it is ready.
     """
 
     wave_id: int
@@ -76,6 +112,15 @@ class RunnerOutput:
     executed: list[str] = attrs.field(factory=list)
     created: list[str] = attrs.field(factory=list)
     released: list[str] = attrs.field(factory=list)
+    output_ready: OutputFence = READY
+
+    def settled(self) -> RunnerOutput:
+        """This result once its tensors are in host memory, with a fence that can cross
+        a process boundary (for executors that send results elsewhere)."""
+        if self.output_ready is READY:
+            return self
+        self.output_ready.wait()
+        return attrs.evolve(self, output_ready=READY)
 
     @classmethod
     def failed(cls, wave_id: int, request_ids: tuple[str, ...], message: str) -> RunnerOutput:

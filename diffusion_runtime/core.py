@@ -9,6 +9,12 @@ thread, no lock and no queue of its own: whoever drives it calls
 3. ``scheduler.update_from_output()`` fires the transitions the results decide;
 4. the step returns this step's outputs, built as values from those transitions.
 
+A wave comes back from the executor once its work is enqueued (compute done);
+its images may still be on their way to host memory. Its outputs wait in a
+:class:`~diffusion_runtime.delivery_queue.DeliveryQueue` until their fence says
+the copy is done (output ready), while later steps are already scheduled. On
+the CPU every fence is ready at once, and outputs leave with their own step.
+
 Hooks on the machine only clean tables and release resources; nothing reaches
 a caller through a hook. Fronts (:class:`~diffusion_runtime.engine.DiffusionEngine`,
 the stage) add ids, validation, seeds, streams and threads on top; a custom
@@ -28,6 +34,7 @@ import torch
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
+from diffusion_runtime.delivery_queue import DeliveryQueue
 from diffusion_runtime.errors import EngineDeadError, describe_error
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.executor.selection import resolve_executor_class
@@ -45,6 +52,9 @@ from diffusion_runtime.scheduler.step_scheduler import StepScheduler
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+#: An output and the request it belongs to (traced when it is delivered).
+_Outgoing = tuple[Request, RequestOutput]
 
 
 @attrs.frozen
@@ -82,7 +92,8 @@ class EngineCore:
         self.auditor: Auditor | None = None
         self._trace_writer: JsonlTraceWriter | None = None
         self._traced_waves: set[int] = set()
-        self._pending: list[RequestOutput] = []
+        self._pending: list[_Outgoing] = []
+        self._deliveries: DeliveryQueue[_Outgoing] = DeliveryQueue()
         self._last_batch_key: tuple[SamplingParams | None, Hashable] = (None, None)
         self._dead: EngineDeadError | None = None
         self._shut_down = False
@@ -105,6 +116,7 @@ class EngineCore:
                 )
             self.scheduler = scheduler_cls(self.machine, config)
             self.machine.add_hook(Hook.TERMINAL, self._release_executor_bookkeeping)
+            self.machine.add_hook(Hook.TERMINAL, self._drop_intermediate_outputs)
         except BaseException:
             self.executor.shutdown()
             self._end_trace(EngineEvent("dead", time.monotonic(), "start-up failed"))
@@ -165,6 +177,7 @@ class EngineCore:
         return (
             self.scheduler.has_unfinished_requests()
             or bool(self._pending)
+            or bool(self._deliveries)
             or self.scheduler.has_pending_release()
         )
 
@@ -208,13 +221,14 @@ class EngineCore:
             raise error from exc
 
     def _step(self, late_aborts: Callable[[], None] | None) -> list[RequestOutput]:
-        outputs, self._pending = self._pending, []
+        self._deliveries.put(self._pending)
+        self._pending = []
         self._release_due = False  # this step's output carries every id finished so far
         self.executor.check_health()
         output = self._trace_wave(self.scheduler.schedule(time.monotonic()))
         self.last_step_executed = output is not None
-        if output is None:
-            return outputs
+        if output is None:  # nothing left to overlap with: wait for copies in flight
+            return self._delivered(wait=True)
         interrupted = False
         try:
             result = self._execute(output)
@@ -224,18 +238,20 @@ class EngineCore:
         self._trace_runner(result)
         if late_aborts is not None:
             late_aborts()
-            outputs += self._pending
+            self._deliveries.put(self._pending)
             self._pending = []
-        for ended in self.scheduler.update_from_output(output, result):
-            outputs.append(self._final_output(ended, result.images.get(ended.request.request_id)))
+        outputs = [
+            self._final_output(ended, result.images.get(ended.request.request_id))
+            for ended in self.scheduler.update_from_output(output, result)
+        ]
         if self.config.streaming_output and result.progress:
             outputs.extend(self._progress_outputs(result))
+        self._deliveries.put(outputs, result.output_ready)
         if self._release_due:
             self._send_release()
-        if interrupted:
-            self._pending = outputs
+        if interrupted:  # the outputs come with the next step
             raise _WaveInterrupted
-        return outputs
+        return self._delivered(wait=False)
 
     def _execute(self, output: SchedulerOutput) -> RunnerOutput:
         try:
@@ -253,7 +269,22 @@ class EngineCore:
 
     # -- outputs -------------------------------------------------------------------------
 
-    def _final_output(self, ended: Ended, images: torch.Tensor | None) -> RequestOutput:
+    def _delivered(self, *, wait: bool) -> list[RequestOutput]:
+        """Outputs whose tensors are in host memory, in order; traced as they leave."""
+        delivered = self._deliveries.take(wait=wait)
+        if self.machine.traced:
+            for request, output in delivered:
+                self._trace_delivery(request, output)
+        return [output for _, output in delivered]
+
+    def _drop_intermediate_outputs(self, request: Request, event: LifecycleEvent) -> None:
+        """A request that ended gets no more previews, even ones still being copied."""
+        request_id = request.request_id
+        self._deliveries.discard(
+            lambda item: item[1].request_id == request_id and not item[1].finished
+        )
+
+    def _final_output(self, ended: Ended, images: torch.Tensor | None) -> _Outgoing:
         request, event = ended
         completed = event.dest is RequestStatus.FINISHED_COMPLETED
         scheduled = request.scheduled_time
@@ -273,11 +304,9 @@ class EngineCore:
             step=request.step_index if request.num_steps is not None else None,
             num_steps=request.num_steps,
         )
-        if self.machine.traced:
-            self._trace_delivery(request, output)
-        return output
+        return request, output
 
-    def _progress_outputs(self, result: RunnerOutput) -> list[RequestOutput]:
+    def _progress_outputs(self, result: RunnerOutput) -> list[_Outgoing]:
         """Intermediate outputs: step i of n, with a preview image when there is one."""
         outputs = []
         for request_id, (step, num_steps) in result.progress.items():
@@ -293,9 +322,7 @@ class EngineCore:
                 step=step,
                 num_steps=num_steps,
             )
-            if self.machine.traced:
-                self._trace_delivery(request, output)
-            outputs.append(output)
+            outputs.append((request, output))
         return outputs
 
     # -- control -------------------------------------------------------------------------
@@ -335,11 +362,13 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         try:
             if self._dead is None:
-                outputs = self._pending + [
+                self._deliveries.put(self._pending)
+                self._deliveries.put(
                     self._final_output(ended, None)
                     for ended in self.scheduler.finish_all(Trigger.ABORT, reason)
-                ]
+                )
                 self._pending = []
+                outputs = self._delivered(wait=True)
                 self._release_everything_on_workers()
         finally:
             self.executor.shutdown()
@@ -361,6 +390,7 @@ class EngineCore:
             return
         self._dead = error
         self._pending = []
+        self._deliveries.clear()
         try:
             self.scheduler.finish_all(Trigger.FAIL, str(error))
         except Exception:  # the core is dying: report, never hide the cause

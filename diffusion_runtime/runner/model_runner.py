@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
+import attrs
 import torch
 
-from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
+from diffusion_runtime.contracts import READY, NewRequestData, RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import DeviceFault, PipelineContractError, describe_error
 from diffusion_runtime.pipelines.protocols import (
     STEP_METHODS,
@@ -17,6 +18,7 @@ from diffusion_runtime.pipelines.protocols import (
     StepRequestState,
 )
 from diffusion_runtime.runner.faults import is_sticky_device_fault
+from diffusion_runtime.runner.host_copy import HostCopier
 from diffusion_runtime.runner.input_batch import InputBatch
 
 
@@ -34,6 +36,11 @@ class ModelRunner:
     request finishes or fails here, or when an output lists it as finished.
     With ``preview_interval`` k > 0, a pipeline's optional ``preview`` runs
     every k steps for streaming.
+
+    Results come back in two phases (see :class:`HostCopier`): the returned
+    output's ``output_ready`` fence says when its images and previews have
+    reached host memory. With ``overlap_outputs`` off, or on the CPU, they are
+    there when :meth:`execute_model` returns.
     """
 
     def __init__(
@@ -43,6 +50,7 @@ class ModelRunner:
         *,
         step_mode: bool = False,
         preview_interval: int = 0,
+        overlap_outputs: bool = True,
     ) -> None:
         needed = ("forward", *STEP_METHODS) if step_mode else ("forward",)
         missing = [m for m in needed if not callable(getattr(pipeline, m, None))]
@@ -61,8 +69,10 @@ class ModelRunner:
         self._preview = getattr(pipeline, "preview", None) if preview_interval else None
         self.states: dict[str, StepRequestState] = {}
         self.input_batch = InputBatch()
+        self.host_copier = HostCopier(device, overlap=overlap_outputs)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one output; return once its work is enqueued (compute done)."""
         result = RunnerOutput(scheduler_output.wave_id)
         result.released.extend(self._release(scheduler_output.finished_ids))
         with torch.inference_mode():
@@ -70,7 +80,8 @@ class ModelRunner:
                 self._step(scheduler_output, result)
             else:
                 self._forward_wave(scheduler_output, result)
-        return result
+        fence = self.host_copier.fence()
+        return result if fence is READY else attrs.evolve(result, output_ready=fence)
 
     def release_requests(self, request_ids: Sequence[str]) -> None:
         """Drop the step state of finished requests (no-op for ids not held)."""
@@ -174,7 +185,7 @@ class ModelRunner:
             elif self._preview is not None and state.step_index % self.preview_interval == 0:
                 preview = self._preview(state)
                 if preview is not None:
-                    result.previews[request_id] = _detach_to_cpu(preview)
+                    result.previews[request_id] = self.host_copier.to_host(preview)
         except Exception as exc:
             _reraise_if_sticky(exc)
             result.errors[request_id] = describe_error(exc)
@@ -191,7 +202,7 @@ class ModelRunner:
         problem = _check_images(images, request)
         if problem is None:
             assert isinstance(images, torch.Tensor)
-            result.images[request.request_id] = _detach_to_cpu(images)
+            result.images[request.request_id] = self.host_copier.to_host(images)
         else:
             result.errors[request.request_id] = problem
 
@@ -216,16 +227,3 @@ def _check_images(images: object, request: PipelineRequest) -> str | None:
     if images.shape[0] != expected:
         return f"pipeline returned {images.shape[0]} images; num_outputs_per_prompt is {expected}"
     return None
-
-
-def _detach_to_cpu(images: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor that owns its memory: a slice of a batch must not keep the batch alive."""
-    if images.requires_grad:
-        images = images.detach()
-    if images.device.type != "cpu":
-        return images.to("cpu")
-    if images._base is not None and (
-        images.untyped_storage().nbytes() != images.numel() * images.element_size()
-    ):
-        return images.clone()
-    return images

@@ -97,6 +97,7 @@ class Worker:
                 self.device,
                 step_mode=config.resolved_mode == "step",
                 preview_interval=config.preview_interval if config.streaming_output else 0,
+                overlap_outputs=config.overlap_outputs,
             )
             self._methods.update((name, getattr(self, name)) for name in self.RPC_METHODS)
             for extension in config.worker_extensions:

@@ -153,10 +153,12 @@ class Outbox:
 class OutputPacker:
     """Rank 0's two reports of a wave: :class:`ComputeDone`, then :class:`OutputReady`.
 
-    An output of up to :data:`INLINE_OUTPUT_BYTES` is packed into the message
-    at once. A larger one is queued to the packer thread, which copies it into
-    shared memory while the main thread is already free for the next command.
-    The executor accepts the two reports in either order.
+    An output of up to :data:`INLINE_OUTPUT_BYTES` whose tensors are already
+    in host memory is packed into the message at once. A larger one, or one
+    whose device copy is still in flight (its ``output_ready`` fence), is
+    queued to the packer thread, which waits for the fence and copies the
+    tensors into shared memory while the main thread is already free for the
+    next command. The executor accepts the two reports in either order.
     """
 
     def __init__(self, arena: OutputArena, outbox: Outbox) -> None:
@@ -172,7 +174,8 @@ class OutputPacker:
         # ComputeDone goes first: a packer thread woken before it would hold the
         # GIL for up to a switch interval (5 ms) while this thread waits to send.
         self._outbox.send(ComputeDone(call_id))
-        if sum(t.numel() * t.element_size() for _, _, t in _tensors(output)) > INLINE_OUTPUT_BYTES:
+        nbytes = sum(t.numel() * t.element_size() for _, _, t in _tensors(output))
+        if nbytes > INLINE_OUTPUT_BYTES or not output.output_ready.is_ready():
             self._jobs.put((call_id, output))
         else:
             self._send_ready(call_id, output, shared=False)
@@ -188,6 +191,7 @@ class OutputPacker:
 
     def _send_ready(self, call_id: int, output: RunnerOutput, *, shared: bool) -> None:
         try:
+            output = output.settled()
             tensors = _tensors(output)
             stripped = attrs.evolve(output, images={}, previews={})
             if shared:

@@ -17,7 +17,7 @@ import ray
 import torch
 
 from diffusion_runtime.config import EngineConfig
-from diffusion_runtime.contracts import SchedulerOutput
+from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.executor.mp.remote_error import RemoteError
 from diffusion_runtime.executor.ray.failures import WorkerMethodError
 from diffusion_runtime.executor.ray.transport import WaveReply
@@ -64,8 +64,8 @@ class RayWorker:
 
     def execute(self, scheduler_output: SchedulerOutput, reply: bool) -> WaveReply | None:
         """Run one wave; only the output rank sends the output back."""
-        output = self._call("execute_model", (scheduler_output,), {})
-        return WaveReply.pack(output) if reply else None
+        output: RunnerOutput = self._call("execute_model", (scheduler_output,), {})
+        return WaveReply.pack(output.settled()) if reply else None
 
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return self._call(method, args, kwargs)
