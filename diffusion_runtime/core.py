@@ -94,6 +94,8 @@ class EngineCore:
         self._traced_waves: set[int] = set()
         self._pending: list[_Outgoing] = []
         self._deliveries: DeliveryQueue[_Outgoing] = DeliveryQueue()
+        # Delivered by a step that a KeyboardInterrupt stopped: returned by the next one.
+        self._interrupted_outputs: list[RequestOutput] = []
         self._last_batch_key: tuple[SamplingParams | None, Hashable] = (None, None)
         self._dead: EngineDeadError | None = None
         self._shut_down = False
@@ -177,6 +179,7 @@ class EngineCore:
         return (
             self.scheduler.has_unfinished_requests()
             or bool(self._pending)
+            or bool(self._interrupted_outputs)
             or bool(self._deliveries)
             or self.scheduler.has_pending_release()
         )
@@ -221,6 +224,7 @@ class EngineCore:
             raise error from exc
 
     def _step(self, late_aborts: Callable[[], None] | None) -> list[RequestOutput]:
+        outputs, self._interrupted_outputs = self._interrupted_outputs, []
         self._deliveries.put(self._pending)
         self._pending = []
         self._release_due = False  # this step's output carries every id finished so far
@@ -228,7 +232,7 @@ class EngineCore:
         output = self._trace_wave(self.scheduler.schedule(time.monotonic()))
         self.last_step_executed = output is not None
         if output is None:  # nothing left to overlap with: wait for copies in flight
-            return self._delivered(wait=True)
+            return outputs + self._delivered(wait=True)
         interrupted = False
         try:
             result = self._execute(output)
@@ -236,22 +240,26 @@ class EngineCore:
             interrupted = True
             result = self._failed_wave(output, "the wave was interrupted (KeyboardInterrupt)")
         self._trace_runner(result)
+        # This wave's work is enqueued: now wait for the copies of earlier waves, so a
+        # request's outputs are out before its terminal transition can come.
+        outputs += self._delivered(wait=True)
         if late_aborts is not None:
             late_aborts()
             self._deliveries.put(self._pending)
             self._pending = []
-        outputs = [
+        produced = [
             self._final_output(ended, result.images.get(ended.request.request_id))
             for ended in self.scheduler.update_from_output(output, result)
         ]
         if self.config.streaming_output and result.progress:
-            outputs.extend(self._progress_outputs(result))
-        self._deliveries.put(outputs, result.output_ready)
+            produced.extend(self._progress_outputs(result))
+        self._deliveries.put(produced, result.output_ready)
         if self._release_due:
             self._send_release()
         if interrupted:  # the outputs come with the next step
+            self._interrupted_outputs = outputs
             raise _WaveInterrupted
-        return self._delivered(wait=False)
+        return outputs + self._delivered(wait=False)
 
     def _execute(self, output: SchedulerOutput) -> RunnerOutput:
         try:
@@ -368,7 +376,8 @@ class EngineCore:
                     for ended in self.scheduler.finish_all(Trigger.ABORT, reason)
                 )
                 self._pending = []
-                outputs = self._delivered(wait=True)
+                outputs = self._interrupted_outputs + self._delivered(wait=True)
+                self._interrupted_outputs = []
                 self._release_everything_on_workers()
         finally:
             self.executor.shutdown()
@@ -390,6 +399,7 @@ class EngineCore:
             return
         self._dead = error
         self._pending = []
+        self._interrupted_outputs = []
         self._deliveries.clear()
         try:
             self.scheduler.finish_all(Trigger.FAIL, str(error))

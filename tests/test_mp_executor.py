@@ -35,6 +35,7 @@ from diffusion_runtime import (
     EngineDeadError,
     InvalidFieldError,
     RequestOutput,
+    RequestStatus,
     RPCError,
     SamplingParams,
     register_pipeline,
@@ -394,6 +395,46 @@ def test_a_request_released_while_its_output_materialises_is_never_copied() -> N
         executor.let_through.set()
         executor.shutdown()
     assert segment_names(executor.segment_prefix) == []
+
+
+def test_an_abort_between_compute_done_and_output_ready_releases_everything(
+    engines: Build,
+) -> None:
+    """A step-mode engine on the mp executor: while the last step's OutputReady is held
+    back (after ComputeDone), one of its two requests is aborted. The abort wins, its
+    batch mate completes with the bits a uni engine gives, and nothing is left for
+    either: no runner state, no executor entry, no segment lease, no audit finding."""
+    settings = {"execution_mode": "step", "audit": "raise", "max_num_seqs": 2, "warmup": False}
+    engine = engines(mp_config("testing-noise", executor_backend=HeldOutput, **settings))
+    executor = engine.core.executor
+    assert isinstance(executor, HeldOutput)
+    params = [attrs.evolve(LARGE, seed=s) for s in (1, 2)]
+
+    async def serve() -> list[RequestOutput]:
+        ids = [
+            await engine.add_request(p, q) for p, q in zip(["kept", "aborted"], params, strict=True)
+        ]
+        held = await asyncio.to_thread(executor.output_arrived.wait, 30)
+        assert held and executor.held_request_ids() == set(ids)  # between the two phases
+        engine.abort(ids[1])
+        executor.let_through.set()
+        finals = []
+        for rid in ids:
+            finals.append([o async for o in engine.stream(rid)][-1])
+        return finals
+
+    try:
+        kept, aborted = asyncio.run(serve())
+    finally:
+        executor.let_through.set()
+    uni = engines(mp_config("testing-noise", executor_backend="uni", **settings))
+    same_results(uni.generate(["kept"], params[0]), [kept])
+    assert aborted.status == RequestStatus.FINISHED_ABORTED and aborted.image_batch is None
+    snapshot = engine.snapshot()
+    assert not (snapshot.scheduler_ids or snapshot.runner_cached_ids)
+    assert not snapshot.executor_held_ids
+    assert len(segment_names(executor.segment_prefix)) <= 2  # the pool, no lease
+    assert engine.auditor is not None and not engine.auditor.violations
 
 
 # -- failures --------------------------------------------------------------------------
