@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 from diffusion_runtime import DiffusionEngine, EngineConfig
@@ -29,6 +31,81 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 ENGINE_THREAD = "diffusion-engine-loop"
+
+# -- the device the suite runs on (--device) --------------------------------------------
+
+#: Device memory a test may leave in use beyond its baseline: driver bookkeeping
+#: (cuBLAS workspaces, cached kernels of a first use), never a request's tensors.
+DEVICE_MEMORY_SLACK_BYTES = 64 * 2**20
+
+_device = "cpu"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="run the device tests (stateful harness, identity and cleanup properties, "
+        "digits and diffusers equality, mp executor) on this device; default cpu",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _device
+    _device = config.getoption("--device")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _device == "cuda" and not torch.cuda.is_available():
+        skip = pytest.mark.skip(
+            reason="--device cuda: torch sees no CUDA device here "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
+        )
+        for item in items:
+            item.add_marker(skip)
+
+
+def suite_device() -> str:
+    """The device given with ``--device``: ``"cpu"`` or ``"cuda"`` (rank r uses ``cuda:r``)."""
+    return _device
+
+
+def suite_device_index() -> str:
+    """The device with an index (``"cuda:0"``): every worker of an engine shares it."""
+    return "cuda:0" if _device == "cuda" else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def device_memory_returns_to_baseline() -> Iterator[None]:
+    """With ``--device cuda``: after each test, the memory this process holds on the
+    device is back at its baseline, and so is the device's (worker processes' too)."""
+    if _device != "cuda":
+        yield
+        return
+    before = device_memory_in_use()
+    yield
+    assert_device_memory_at(before)
+
+
+def device_memory_in_use() -> tuple[int, int]:
+    """``(bytes allocated by this process's tensors, bytes in use on the device)``."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return torch.cuda.memory_allocated(), total - free
+
+
+def assert_device_memory_at(baseline: tuple[int, int]) -> None:
+    """No tensor outlived what made it; worker processes released their memory."""
+    allocated, in_use = device_memory_in_use()
+    assert allocated <= baseline[0], (
+        f"{allocated - baseline[0]} bytes of tensors left on the device"
+    )
+    assert in_use <= baseline[1] + DEVICE_MEMORY_SLACK_BYTES, (
+        f"{in_use - baseline[1]} more bytes in use on the device than before"
+    )
 
 
 def child_pids() -> set[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 import hypothesis.strategies as st
 import pytest
 import torch
-from conftest import engine_threads, factory_of
+from conftest import engine_threads, factory_of, suite_device
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -72,9 +73,9 @@ def pipes(models: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     }
 
 
-def reference(pipe: Any, seed: int, **kwargs: Any) -> torch.Tensor:
-    """What diffusers itself produces with a fresh CPU generator seeded with ``seed``."""
-    generator = torch.Generator().manual_seed(seed)
+def reference(pipe: Any, seed: int, device: str = "cpu", **kwargs: Any) -> torch.Tensor:
+    """What diffusers itself produces with a fresh generator on ``device`` seeded with ``seed``."""
+    generator = torch.Generator(device).manual_seed(seed)
     images: torch.Tensor = pipe(generator=generator, output_type="pt", **kwargs).images
     return images
 
@@ -250,17 +251,19 @@ def test_a_request_alone_equals_diffusers_bit_for_bit_in_both_modes(
     params: dict[str, Any],
     diffusers_kwargs: dict[str, Any],
 ) -> None:
-    pipe, seed, steps = pipes[family], 11, 3
-    expected = reference(pipe, seed, num_inference_steps=steps, **diffusers_kwargs)
+    device, seed, steps = suite_device(), 11, 3
+    # Moved to the suite's device, a copy: the module's pipelines stay on the CPU.
+    pipe = pipes[family] if device == "cpu" else copy.deepcopy(pipes[family]).to(device)
+    expected = reference(pipe, seed, num_inference_steps=steps, device=device, **diffusers_kwargs)
     assert not_saturated(expected)
     sampling = SamplingParams(num_inference_steps=steps, seed=seed, **params)
     for mode in ("request", "step"):
-        adapter = DiffusersPipeline(pipe)
-        engine = make_engine(factory_of(adapter), execution_mode=mode, warmup=False)
+        adapter = DiffusersPipeline(pipe, device)
+        engine = make_engine(factory_of(adapter), execution_mode=mode, warmup=False, device=device)
         [out] = engine.generate([prompt], sampling)
         assert out.ok, out.error
         assert out.image_batch is not None
-        assert torch.equal(out.image_batch, expected), mode
+        assert torch.equal(out.image_batch, expected.cpu()), mode
 
 
 ROUNDING_CASES = {

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import suite_device
 from hypothesis import given, settings
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, InvalidFieldError, SamplingParams
@@ -19,7 +20,7 @@ from diffusion_runtime.testing.strategies import digit_prompts, request_mixes, s
 @pytest.fixture(scope="module", params=["request", "step"])
 def engine(request: pytest.FixtureRequest) -> Iterator[DiffusionEngine]:
     config = EngineConfig(
-        pipeline="digits", device="cpu", max_num_seqs=16, execution_mode=request.param
+        pipeline="digits", device=suite_device(), max_num_seqs=16, execution_mode=request.param
     )
     with DiffusionEngine.make_engine(config) as engine:
         yield engine

@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections import Counter
 
 import hypothesis.strategies as st
-from conftest import engine_threads, factory_of
+from conftest import (
+    assert_device_memory_at,
+    device_memory_in_use,
+    engine_threads,
+    factory_of,
+    suite_device,
+)
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, RequestStatus
 from diffusion_runtime.testing.harness import EngineLifecycleMachine
@@ -27,11 +33,13 @@ class FaultInjectingLifecycle(EngineLifecycleMachine):
     params = sampling_params(steps=(1, 3), outputs=(1, 2))
 
     def build_engine(self) -> DiffusionEngine:
-        self.pipeline = FaultInjectingPipeline("cpu")
+        if suite_device() == "cuda":
+            self.device_memory = device_memory_in_use()
+        self.pipeline = FaultInjectingPipeline(suite_device())
         config = EngineConfig(
             pipeline=factory_of(self.pipeline),
             max_num_seqs=3,
-            device="cpu",
+            device=suite_device(),
             execution_mode=self.mode,
         )
         engine = DiffusionEngine.make_engine(config)
@@ -56,6 +64,9 @@ class FaultInjectingLifecycle(EngineLifecycleMachine):
             if event.dest is RequestStatus.FINISHED_COMPLETED:
                 assert should_complete, (rid, event)
         assert engine_threads() == []
+        if suite_device() == "cuda":  # after every example, not only after the test
+            del self.pipeline
+            assert_device_memory_at(self.device_memory)
 
     def _should_complete(self, rid: str) -> bool:
         """Whether ``rid`` ran and no injected fault touched it (its own or a batch mate's)."""

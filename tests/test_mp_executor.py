@@ -26,7 +26,7 @@ import attrs
 import hypothesis.strategies as st
 import pytest
 import torch
-from conftest import child_pids, engine_threads, factory_of
+from conftest import child_pids, engine_threads, factory_of, suite_device, suite_device_index
 from hypothesis import HealthCheck, settings
 
 from diffusion_runtime import (
@@ -70,7 +70,7 @@ class Probe:
         return list(self.worker.pipeline.forward_batches)
 
     def all_reduce_rank(self) -> int:
-        total = torch.tensor([self.worker.rank])
+        total = torch.tensor([self.worker.rank], device=self.worker.device)
         torch.distributed.all_reduce(total)
         return int(total.item())
 
@@ -180,7 +180,7 @@ def our_threads() -> list[str]:
 
 
 def mp_config(pipeline: Any = "testing-faults", **overrides: Any) -> EngineConfig:
-    overrides.setdefault("device", "cpu")
+    overrides.setdefault("device", suite_device_index())  # several workers share one GPU
     overrides.setdefault("executor_backend", "mp")
     overrides.setdefault("worker_start_timeout_s", 60.0)
     return EngineConfig(pipeline=pipeline, **overrides)
@@ -287,11 +287,18 @@ def test_admission_errors_keep_their_type_and_field(engines: Build) -> None:
 
 
 def test_two_workers_run_every_wave_on_every_rank_in_a_process_group(engines: Build) -> None:
+    if suite_device() == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("an nccl group needs one GPU per rank; one GPU is visible")
     config = mp_config(
-        num_workers=2, max_num_seqs=4, worker_extensions=(Probe,), init_distributed=True
+        num_workers=2,
+        max_num_seqs=4,
+        worker_extensions=(Probe,),
+        init_distributed=True,
+        device=suite_device(),  # on CUDA: rank r on cuda:r
     )
     engine = engines(config)
-    assert engine.collective_rpc("device_name") == ["cpu", "cpu"]
+    devices = ["cpu", "cpu"] if suite_device() == "cpu" else ["cuda:0", "cuda:1"]
+    assert engine.collective_rpc("device_name") == devices
     assert engine.collective_rpc("all_reduce_rank") == [1, 1]
     pids = engine.collective_rpc("pid")
     assert len(set(pids)) == 2 and os.getpid() not in pids
