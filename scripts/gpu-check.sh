@@ -63,14 +63,14 @@ export python site wheels out
 export -f install_wheels bench_to_json
 
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed (see nvidia-smi.txt)"
-if phase install 90 bash -c install_wheels; then
+if phase install 60 bash -c install_wheels; then
     export PYTHONPATH="$site"
-    phase suite 240 "$python" -m pytest -q -p no:cacheprovider --device cuda -rs \
+    phase suite 210 "$python" -m pytest -q -p no:cacheprovider --device cuda -rs \
         --junitxml="$out/suite.xml" tests --ignore=tests/test_engine_stateful.py
     phase stateful-thorough 100 env HYPOTHESIS_PROFILE=thorough "$python" -m pytest -q \
         -p no:cacheprovider --device cuda --junitxml="$out/stateful.xml" \
         tests/test_engine_stateful.py
-    phase bench 150 bash -c bench_to_json
+    phase bench 110 bash -c bench_to_json
 fi
 
 printf '%s\n' "${phases[@]}" | "$python" -c '
