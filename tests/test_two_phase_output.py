@@ -7,13 +7,14 @@ hand: the edge under test is the copy to host memory, so that is what is held.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import attrs
 import pytest
 import torch
+from conftest import suite_device
 
-from diffusion_runtime import EngineConfig, RequestStatus, SamplingParams
+from diffusion_runtime import DiffusionEngine, EngineConfig, RequestStatus, SamplingParams
 from diffusion_runtime.contracts import READY, OutputFence, RunnerOutput, SchedulerOutput
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.delivery_queue import DeliveryQueue
@@ -164,3 +165,46 @@ def test_outputs_leave_in_order_even_when_a_later_copy_lands_first() -> None:
     queue.discard(lambda item: item == "b1")
     first.open = True
     assert queue.take(wait=False) == ["a1", "a2", "abort b"] and not queue
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_overlap_on_and_off_deliver_the_same_outputs_in_the_same_order(
+    make_engine: Callable[..., DiffusionEngine], mode: str
+) -> None:
+    """On the suite's device (``--device``): on CUDA the copies overlap later steps."""
+    params = [SamplingParams(num_inference_steps=s, seed=s) for s in (2, 4, 3)]
+    prompts = ["1", "7", "3"]
+    results = []
+    for overlap in (True, False):
+        engine = make_engine(
+            "digits",
+            device=suite_device(),
+            execution_mode=mode,
+            max_num_seqs=3,
+            overlap_outputs=overlap,
+            audit="raise",
+            warmup=False,
+        )
+        results.append(engine.generate(prompts, params))
+    for on, off in zip(*results, strict=True):
+        assert on.ok and off.ok and on.seed == off.seed
+        assert on.image_batch is not None and off.image_batch is not None
+        assert on.image_batch.device.type == "cpu"
+        assert torch.equal(on.image_batch, off.image_batch)
+
+
+def test_a_cuda_copy_lands_in_pinned_memory_once_its_fence_is_ready() -> None:
+    if suite_device() != "cuda":
+        pytest.skip("needs --device cuda")
+    device = torch.device("cuda", 0)
+    copier = HostCopier(device)
+    weights = torch.randn(2048, 2048, device=device)
+    images = (weights @ weights).reshape(4, 1, 1024, 1024)  # kernels still running
+    hosts = [copier.to_host(images[i : i + 1]) for i in range(4)]
+    fence = copier.fence()
+    assert copier.overlaps and fence is not READY and copier.fence() is READY
+    del images  # the device memory stays reserved until the side stream has read it
+    fence.wait()
+    assert fence.is_ready() and all(host.is_pinned() for host in hosts)
+    expected = (weights @ weights).reshape(4, 1, 1024, 1024).cpu()
+    assert all(torch.equal(host, expected[i : i + 1]) for i, host in enumerate(hosts))
