@@ -46,6 +46,10 @@ phase() {
 
 # The carried wheels, then the project itself (for its entry points), into $site.
 install_wheels() {
+    if ! compgen -G "$wheels/*.whl" >/dev/null; then
+        echo "no wheels in $wheels: run scripts/gpu-wheels.sh $wheels where a registry is reachable"
+        return 1
+    fi
     "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$site" "$wheels"/*.whl || return
     "$python" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
