@@ -21,6 +21,8 @@ EXECUTION_MODES = ("request", "step")
 BUILTIN_BACKENDS = ("uni", "mp", "ray")
 AUDIT_MODES = ("off", "report", "raise")
 RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+BUILTIN_POLICIES = ("fifo", "priority", "edf", "slo")
+DEADLINE_MISS_ACTIONS = ("run_late", "drop")
 
 
 def default_device() -> str:
@@ -77,6 +79,21 @@ def _is_backend(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> N
     )
 
 
+def _is_policy(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    # Checked by shape: the policies sit above this module.
+    if isinstance(value, type) and callable(getattr(value, "rank", None)):
+        return
+    if isinstance(value, str) and (value in BUILTIN_POLICIES or ":" in value):
+        return
+    fail(
+        instance,
+        attribute.name,
+        "must be 'fifo', 'priority', 'edf', 'slo', a SchedulingPolicy subclass "
+        "or a 'module:attr' import path",
+        value,
+    )
+
+
 def _is_optional_path(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not (isinstance(value, str) and value and "\0" not in value):
         fail(instance, attribute.name, "must be a non-empty file path or None", value)
@@ -123,6 +140,14 @@ class EngineConfig:
     event as JSON lines; ``audit`` checks the
     invariants online and, on a violation, logs it (``"report"``) or fails the
     engine (``"raise"``).
+
+    ``scheduling_policy`` orders the waiting requests (``docs/schedulers.md``):
+    ``"fifo"`` (arrival order, the default), ``"priority"``, ``"edf"``, ``"slo"``,
+    a ``SchedulingPolicy`` subclass or a ``"module:attr"`` path to one. A request
+    that has waited ``scheduling_aging_s`` goes before every younger one and is
+    no longer preempted (the bound against starvation). ``deadline_miss="drop"``
+    aborts a request whose deadline passes while it waits (reason ``"deadline"``);
+    ``"run_late"`` runs it anyway.
 
     The ``ray_*`` fields apply to ``executor_backend="ray"`` (see
     ``docs/distributed.md``): ``ray_address`` names the cluster to join (None:
@@ -173,6 +198,11 @@ class EngineConfig:
     )
     trace_path: str | None = attrs.field(default=None, validator=_is_optional_path)
     audit: str = attrs.field(default="off", validator=one_of(*AUDIT_MODES))
+    scheduling_policy: str | type = attrs.field(default="fifo", validator=_is_policy)
+    scheduling_aging_s: float = attrs.field(
+        default=10.0, validator=finite_in_range(0.001, 86_400.0)
+    )
+    deadline_miss: str = attrs.field(default="run_late", validator=one_of(*DEADLINE_MISS_ACTIONS))
     ray_address: str | None = attrs.field(default=None, validator=_is_optional_address)
     ray_placement_strategy: str = attrs.field(
         default="PACK", validator=one_of(*RAY_PLACEMENT_STRATEGIES)

@@ -169,7 +169,7 @@ class EngineCore:
             ended = self.scheduler.abort_request(request_id, reason)
             if ended is not None:
                 self._pending.append(self._final_output(ended, None))
-                if ended.event.source is RequestStatus.RUNNING:
+                if ended.event.source in _HOLDS_RUNNER_STATE:
                     self._release_due = self.scheduler.keeps_runner_state
         if self._release_due and not self._in_step:
             self._send_release()
@@ -229,7 +229,10 @@ class EngineCore:
         self._pending = []
         self._release_due = False  # this step's output carries every id finished so far
         self.executor.check_health()
-        output = self._trace_wave(self.scheduler.schedule(time.monotonic()))
+        now = time.monotonic()
+        expired = self.scheduler.expire_waiting(now)
+        self._deliveries.put(self._final_output(ended, None) for ended in expired)
+        output = self._trace_wave(self.scheduler.schedule(now))
         self.last_step_executed = output is not None
         if output is None:  # nothing left to overlap with: wait for copies in flight
             return outputs + self._delivered(wait=True)
@@ -503,6 +506,10 @@ class EngineCore:
                 time=time.monotonic(),
             )
         )
+
+
+#: The states in which the workers may hold a request's runner state (step mode).
+_HOLDS_RUNNER_STATE = (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
 
 
 class _WaveInterrupted(Exception):

@@ -16,6 +16,11 @@ from diffusion_runtime.validation import (
 )
 
 MAX_SEED = 2**63 - 1
+#: ``priority`` lies in ``[-MAX_PRIORITY, MAX_PRIORITY]``.
+MAX_PRIORITY = 2**31 - 1
+#: ``deadline_s`` lies in ``[MIN_DEADLINE_S, MAX_DEADLINE_S]`` (1 ms to 30 days).
+MIN_DEADLINE_S = 0.001
+MAX_DEADLINE_S = 30 * 86_400.0
 
 
 def _copy_dict(value: Any) -> Any:
@@ -32,10 +37,14 @@ class SamplingParams:
     """How to sample one request. Every field is validated on construction.
 
     ``seed=None`` lets the engine pick one; the output reports the seed used,
-    so every result can be reproduced. ``height``/``width`` of ``None`` mean the
-    pipeline's native size. ``extra_args`` carries pipeline-specific options;
-    like a prompt, it may nest at most :data:`~diffusion_runtime.validation.MAX_INPUT_DEPTH`
-    levels and hold at most :data:`~diffusion_runtime.validation.MAX_INPUT_BYTES`.
+    so every result can be reproduced. ``priority`` (lower runs first) and
+    ``deadline_s`` (seconds after arrival by which the request should finish;
+    ``None``: no deadline) are read by the scheduling policy
+    (``docs/schedulers.md``); they never change the images.
+    ``height``/``width`` of ``None`` mean the pipeline's native size.
+    ``extra_args`` carries pipeline-specific options; like a prompt, it may
+    nest at most :data:`~diffusion_runtime.validation.MAX_INPUT_DEPTH` levels
+    and hold at most :data:`~diffusion_runtime.validation.MAX_INPUT_BYTES`.
     """
 
     num_inference_steps: int = attrs.field(default=25, validator=int_in_range(1, 10_000))
@@ -46,6 +55,10 @@ class SamplingParams:
     width: int | None = attrs.field(default=None, validator=int_in_range(1, 8192, optional=True))
     extra_args: dict[str, Any] = attrs.field(
         factory=dict, converter=_copy_dict, validator=_is_extra_args, hash=False
+    )
+    priority: int = attrs.field(default=0, validator=int_in_range(-MAX_PRIORITY, MAX_PRIORITY))
+    deadline_s: float | None = attrs.field(
+        default=None, validator=finite_in_range(MIN_DEADLINE_S, MAX_DEADLINE_S, optional=True)
     )
 
     def request_batch_key(self) -> tuple[Any, ...]:

@@ -44,14 +44,16 @@ def int_in_range(low: int, high: int, *, optional: bool = False) -> Validator:
     return check
 
 
-def finite_in_range(low: float, high: float) -> Validator:
-    """A finite real number (not a bool) in ``[low, high]``.
+def finite_in_range(low: float, high: float, *, optional: bool = False) -> Validator:
+    """A finite real number (not a bool) in ``[low, high]``, or ``None`` when ``optional``.
 
     An ``int`` is compared exactly: converting ``10**400`` to a float overflows.
     """
-    rule = f"must be a finite number in [{low}, {high}]"
+    rule = f"must be a finite number in [{low}, {high}]" + (" or None" if optional else "")
 
     def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None and optional:
+            return
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(instance, attribute, rule, value)
         if isinstance(value, float) and not math.isfinite(value):

@@ -1,4 +1,4 @@
-"""The invariant auditor: checks DIFF-RUNTIME-INV-001..005 over a stream of trace events.
+"""The invariant auditor: checks DIFF-RUNTIME-INV-001..006 over a stream of trace events.
 
 Each invariant is a small checker with two methods: ``feed(event)`` returns the
 violations an event reveals, and ``finish(complete)`` those only visible at the
@@ -467,14 +467,91 @@ class ResultsKeepIdentity:
         return []
 
 
+class PreemptionKeepsState:
+    """A request preempted while the workers hold its runner state keeps that
+    state until it resumes or ends: the workers never drop it meanwhile, and it
+    resumes from it (as a cached request, never as a new one that starts over).
+    That it runs in no wave while preempted is INV-004; that its state goes
+    when it ends while preempted is INV-003."""
+
+    invariant = "INV-006"
+    rule = "a preempted request keeps its runner state and resumes from it"
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+        #: Preempted requests whose state the workers held, by their preempt event.
+        self.kept: dict[str, LifecycleEvent] = {}
+        #: Requests resumed from kept state, by wave id, until that wave is seen.
+        self.resumed: dict[int, dict[str, LifecycleEvent]] = {}
+        #: Requests resumed from kept state whose wave has not run yet.
+        self.resuming: dict[str, LifecycleEvent] = {}
+
+    def feed(self, event: TraceEvent) -> list[Violation]:
+        if isinstance(event, LifecycleEvent) and not event.rejected:
+            self._lifecycle(event)
+            return []
+        if isinstance(event, WaveEvent):
+            resumed = self.resumed.pop(event.wave_id, {})
+            return [
+                Violation(
+                    self.invariant,
+                    rid,
+                    f"resumed in wave {event.wave_id} as a new request: its kept state is lost",
+                    (schedule, event),
+                )
+                for rid, schedule in resumed.items()
+                if rid in event.new_ids
+            ]
+        if isinstance(event, RunnerEvent):
+            return self._runner(event)
+        if isinstance(event, EngineEvent) and event.state == "dead":
+            self.held.clear()
+        return []
+
+    def _lifecycle(self, event: LifecycleEvent) -> None:
+        rid = event.request_id
+        if event.dest in TERMINAL_STATES:
+            self.resuming.pop(rid, None)
+        if event.dest is RequestStatus.PREEMPTED and rid in self.held:
+            self.kept[rid] = event
+        elif event.source is RequestStatus.PREEMPTED:
+            kept = self.kept.pop(rid, None)
+            if kept is not None and event.dest is RequestStatus.RUNNING:
+                self.resuming[rid] = event
+                if event.wave_id is not None:
+                    self.resumed.setdefault(event.wave_id, {})[rid] = event
+
+    def _runner(self, event: RunnerEvent) -> list[Violation]:
+        problems = []
+        for rid in event.released:
+            self.held.discard(rid)
+            preempted = self.kept.get(rid)
+            if preempted is not None:
+                message = "the workers dropped its state while it was preempted"
+                problems.append(Violation(self.invariant, rid, message, (preempted, event)))
+        for rid in event.created:
+            self.held.add(rid)
+            resumed = self.resuming.get(rid)
+            if resumed is not None:
+                message = "its state was created again on resume: it started over"
+                problems.append(Violation(self.invariant, rid, message, (resumed, event)))
+        for rid in event.executed:
+            self.resuming.pop(rid, None)
+        return problems
+
+    def finish(self, complete: bool) -> list[Violation]:
+        return []
+
+
 def default_checkers() -> list[InvariantChecker]:
-    """One checker per invariant, INV-001 to INV-005."""
+    """One checker per invariant, INV-001 to INV-006."""
     return [
         OneLifecycleOwner(),
         ExecutionFollowsScheduler(),
         TerminalCleanup(),
         HooksNotLifecycles(),
         ResultsKeepIdentity(),
+        PreemptionKeepsState(),
     ]
 
 

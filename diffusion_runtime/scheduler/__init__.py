@@ -1,17 +1,32 @@
 """Scheduling policy: which requests run in the next wave or step."""
 
 from diffusion_runtime.contracts import NewRequestData, SchedulerOutput
-from diffusion_runtime.scheduler.base import BaseScheduler, Ended
+from diffusion_runtime.scheduler.base import DEADLINE_REASON, BaseScheduler, Ended
+from diffusion_runtime.scheduler.policies import (
+    EarliestDeadlinePolicy,
+    FifoPolicy,
+    PriorityPolicy,
+    SchedulingPolicy,
+    SloAwarePolicy,
+)
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+from diffusion_runtime.scheduler.step_cost import StepCostModel
 from diffusion_runtime.scheduler.step_scheduler import StepScheduler
 
 __all__ = [
+    "DEADLINE_REASON",
     "BaseScheduler",
+    "EarliestDeadlinePolicy",
     "Ended",
+    "FifoPolicy",
     "NewRequestData",
+    "PriorityPolicy",
     "Request",
     "RequestScheduler",
     "SchedulerOutput",
+    "SchedulingPolicy",
+    "SloAwarePolicy",
+    "StepCostModel",
     "StepScheduler",
 ]

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import abc
+import heapq
+import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Hashable
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import DuplicateRequestError, QueueFullError
 from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine, RequestStatus, Trigger
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.scheduler.policies import SchedulingPolicy, resolve_policy_class
 from diffusion_runtime.scheduler.request import Request
+from diffusion_runtime.scheduler.step_cost import StepCostModel
+
+#: The reason of a request aborted because its deadline passed while it waited.
+DEADLINE_REASON = "deadline"
 
 
 class Ended(NamedTuple):
@@ -22,14 +30,23 @@ class Ended(NamedTuple):
     event: LifecycleEvent
 
 
+class _WaveTiming(NamedTuple):
+    wave_id: int
+    key: Hashable
+    batch_size: int
+    steps: int
+    started: float
+
+
 class BaseScheduler(abc.ABC):
     """Owns every admitted request until its terminal transition.
 
     The scheduler decides *what* runs; it never assigns a state itself. It fires
     triggers on the request machine and keeps its own tables in step through
     the machine's hooks, so every path into a terminal state cleans up the same
-    way. All operations are O(1) in the queue depth, except a wave, which is
-    O(wave size).
+    way. Its :class:`SchedulingPolicy` ranks requests; under ``fifo`` every
+    operation is O(1) in the queue depth except a wave, which is O(wave size);
+    a reordering policy ranks every active request at each wave (O(n log n)).
     """
 
     #: The execution mode whose runner this scheduler's outputs are meant for.
@@ -49,6 +66,18 @@ class BaseScheduler(abc.ABC):
         self.running: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._next_wave_id = 0
+        self.step_costs = StepCostModel()
+        self.policy: SchedulingPolicy = resolve_policy_class(config.scheduling_policy)(
+            self.step_costs
+        )
+        self.aging_s = config.scheduling_aging_s
+        self.drops_late_requests = config.deadline_miss == "drop"
+        #: How many times a running request was preempted.
+        self.num_preemptions = 0
+        # (deadline, order, request) of requests that may be dropped when it passes.
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._admissions = itertools.count()
+        self._wave_timing: _WaveTiming | None = None
         machine.add_hook(Hook.SCHEDULED, self._on_scheduled)
         machine.add_hook(Hook.PREEMPTED, self._on_preempted)
         machine.add_hook(Hook.TERMINAL, self._on_terminal)
@@ -65,6 +94,7 @@ class BaseScheduler(abc.ABC):
             raise QueueFullError(
                 f"waiting queue is full ({self.max_waiting_requests} requests); retry later"
             )
+        request.order = next(self._admissions)
         self.requests[request.request_id] = request
         self.waiting[request.request_id] = request
         try:
@@ -74,6 +104,7 @@ class BaseScheduler(abc.ABC):
                 raise
             del self.requests[request.request_id], self.waiting[request.request_id]
             raise
+        self._watch_deadline(request)
 
     def batch_key_for(self, params: SamplingParams) -> Hashable:
         """Requests may share a wave only when their keys are equal."""
@@ -97,9 +128,23 @@ class BaseScheduler(abc.ABC):
         )
 
     def preempt_request(self, request_id: str) -> None:
-        """Move a running request back to the head of the waiting queue; it
-        restarts from its first step when scheduled again."""
+        """Move a running request back to the head of the waiting queue. In step
+        mode the workers keep its state and it resumes where it stopped; in
+        request mode it restarts from its first step."""
         self.machine.fire(self.requests[request_id], Trigger.PREEMPT)
+
+    def expire_waiting(self, now: float) -> list[Ended]:
+        """With ``deadline_miss="drop"``: abort (reason ``"deadline"``) every waiting
+        or preempted request whose deadline is at or before ``now``."""
+        ended = []
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            request = heapq.heappop(deadlines)[2]
+            # A running request leaves the heap; it comes back if it is preempted.
+            if request.state in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                event = self.machine.fire(request, Trigger.ABORT, reason=DEADLINE_REASON)
+                ended.append(Ended(request, event))
+        return ended
 
     def finish_all(self, trigger: Trigger, reason: str) -> list[Ended]:
         """End every active request with ``trigger`` (abort on close, fail on death).
@@ -136,8 +181,9 @@ class BaseScheduler(abc.ABC):
         return bool(self._finished_ids)
 
     def next_wakeup(self) -> float | None:
-        """The monotonic time at which :meth:`schedule` may have new work, if it is waiting."""
-        return None
+        """The monotonic time at which :meth:`schedule` may have new work, if it is
+        waiting (here: the next deadline that drops a request)."""
+        return self._deadlines[0][0] if self._deadlines else None
 
     # -- one tick ------------------------------------------------------------------
 
@@ -151,6 +197,57 @@ class BaseScheduler(abc.ABC):
 
         Returns the requests this update ended, in the order they ended.
         """
+
+    # -- ranking ---------------------------------------------------------------------
+
+    def is_aged(self, request: Request, now: float) -> bool:
+        """Whether ``request`` has been in the engine for the aging bound."""
+        return now - request.arrival_time >= self.aging_s
+
+    def effective_rank(self, request: Request, now: float) -> tuple[Any, ...]:
+        """The policy's rank, overruled by aging: a request in the engine for
+        ``scheduling_aging_s`` goes before every younger one, in admission order."""
+        if self.is_aged(request, now):
+            return (0, request.order)
+        return (1, *self.policy.rank(request, now), request.order)
+
+    def plan(self, now: float, *, may_preempt: bool) -> tuple[list[Request], list[Request]]:
+        """``(running requests to preempt, waiting requests to schedule)`` for the next wave.
+
+        Under a policy that does not reorder this is :meth:`next_wave`. Otherwise
+        the batch key is that of the best-ranked request and the wave takes the
+        best-ranked requests of that key, skipping any of another key
+        (head-of-line bypass). With ``may_preempt`` and a preemptive policy,
+        running requests compete with waiting ones for the ``max_num_seqs``
+        places; the losers are preempted. Without preemption the running set
+        keeps its key, except that an aged request of another key stops
+        admission until the running set drains (so it cannot starve).
+        """
+        if not self.policy.reorders:
+            return [], self.next_wave()
+
+        def rank(request: Request) -> tuple[Any, ...]:
+            return self.effective_rank(request, now)
+
+        capacity = self.max_num_running_reqs
+        if may_preempt and self.policy.preemptive:
+            ranked = sorted([*self.running.values(), *self.waiting.values()], key=rank)
+            if not ranked:
+                return [], []
+            key = ranked[0].batch_key
+            chosen = [r for r in ranked if r.batch_key == key][:capacity]
+            chosen_ids = {r.request_id for r in chosen}
+            preempt = [r for r in self.running.values() if r.request_id not in chosen_ids]
+            return preempt, [r for r in chosen if r.request_id not in self.running]
+        free = capacity - len(self.running)
+        if free <= 0 or not self.waiting:
+            return [], []
+        waiting = sorted(self.waiting.values(), key=rank)
+        running = next(iter(self.running.values()), None)
+        key = waiting[0].batch_key if running is None else running.batch_key
+        if waiting[0].batch_key != key and self.is_aged(waiting[0], now):
+            return [], []  # drain the running set: the aged request's key goes next
+        return [], [r for r in waiting if r.batch_key == key][:free]
 
     def next_wave(self) -> list[Request]:
         """The longest FIFO run of waiting requests that may join the running set.
@@ -173,16 +270,26 @@ class BaseScheduler(abc.ABC):
         return wave
 
     def build_output(
-        self, new: list[Request], cached_ids: tuple[str, ...] = ()
+        self,
+        new: list[Request],
+        cached_ids: tuple[str, ...] = (),
+        resumed: tuple[Request, ...] = (),
     ) -> SchedulerOutput | None:
-        """Fire ``schedule`` on ``new`` and build the output (``None``: nothing to say)."""
+        """Fire ``schedule`` on ``resumed`` and ``new`` and build the output (``None``:
+        nothing to say). ``resumed`` are preempted requests whose runner state the
+        workers kept: their ids must be in ``cached_ids``, and no payload is sent."""
         if not new and not cached_ids and not self._finished_ids:
             return None
         wave_id = self._next_wave_id
         self._next_wave_id += 1
         schedule = self.machine.fire
-        for request in new:
+        for request in (*resumed, *new):
             schedule(request, Trigger.SCHEDULE, wave_id=wave_id)
+        if new or cached_ids:
+            first = self.requests[new[0].request_id if new else cached_ids[0]]
+            steps = first.params.num_inference_steps if self.execution_mode == "request" else 1
+            size = len(new) + len(cached_ids)
+            self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, time.monotonic())
         finished_ids = tuple(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(
@@ -195,6 +302,16 @@ class BaseScheduler(abc.ABC):
             num_running=len(self.running),
             num_waiting=len(self.waiting),
         )
+
+    def record_wave_cost(self, output: SchedulerOutput) -> None:
+        """Feed the time ``output`` took to run (from its scheduling to now) to the
+        step cost model. Call it first thing in :meth:`update_from_output`."""
+        timing = self._wave_timing
+        if timing is None or timing.wave_id != output.wave_id:
+            return
+        self._wave_timing = None
+        seconds = time.monotonic() - timing.started
+        self.step_costs.observe(timing.key, timing.batch_size, seconds / timing.steps)
 
     def requeue_finished_ids(self, request_ids: tuple[str, ...]) -> None:
         """Report ids as finished again: the output that carried them failed."""
@@ -216,10 +333,16 @@ class BaseScheduler(abc.ABC):
         del self.running[request.request_id]
         self.waiting[request.request_id] = request
         self.waiting.move_to_end(request.request_id, last=False)
-        # It starts over when scheduled again: the workers drop what they hold for it.
-        if self.keeps_runner_state:
-            self._finished_ids.append(request.request_id)
-        request.step_index, request.num_steps = 0, None
+        self.num_preemptions += 1
+        self._watch_deadline(request)
+        # Step mode: the workers keep its state and it resumes where it stopped.
+        # Request mode: nothing was kept, so it starts over.
+        if not self.keeps_runner_state:
+            request.step_index, request.num_steps = 0, None
+
+    def _watch_deadline(self, request: Request) -> None:
+        if self.drops_late_requests and request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, request.order, request))
 
     def _on_terminal(self, request: Request, event: LifecycleEvent) -> None:
         request_id = request.request_id

@@ -14,15 +14,20 @@ class Request(RequestLifecycle):
     """An admitted request: identity, input, lifecycle state, timings and progress.
 
     In step mode, ``step_index`` of ``num_steps`` is the progress the runner
-    reported. Outputs never travel on this object: the core builds them as
-    values from what each step decided.
+    reported; a preempted request keeps it and resumes there. ``deadline`` is
+    the monotonic time by which it should finish (``None``: no deadline), and
+    ``order`` its place in admission order (the tie-break of every policy).
+    Outputs never travel on this object: the core builds them as values from
+    what each step decided.
     """
 
     __slots__ = (
         "arrival_time",
         "batch_key",
+        "deadline",
         "finished_time",
         "num_steps",
+        "order",
         "params",
         "prompt",
         "scheduled_time",
@@ -45,7 +50,16 @@ class Request(RequestLifecycle):
         self.seed = seed
         self.batch_key = batch_key
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        deadline_s = params.deadline_s
+        self.deadline = None if deadline_s is None else self.arrival_time + deadline_s
+        self.order = 0
         self.scheduled_time: float | None = None
         self.finished_time: float | None = None
         self.step_index = 0
         self.num_steps: int | None = None
+
+    @property
+    def remaining_steps(self) -> int:
+        """Denoising steps still to run (all of them before the first step)."""
+        total = self.params.num_inference_steps if self.num_steps is None else self.num_steps
+        return total - self.step_index

@@ -29,15 +29,17 @@ class RequestScheduler(BaseScheduler):
 
     def schedule(self, now: float) -> SchedulerOutput | None:
         self._wakeup_at = None
-        wave = self.next_wave()
+        wave = self.plan(now, may_preempt=False)[1]
         if wave and self._should_wait_for_more(wave, now):
             wave = []
         return self.build_output(wave)
 
     def next_wakeup(self) -> float | None:
-        return self._wakeup_at
+        wakeups = [t for t in (self._wakeup_at, super().next_wakeup()) if t is not None]
+        return min(wakeups, default=None)
 
     def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> list[Ended]:
+        self.record_wave_cost(output)
         fire = self.machine.fire
         wave_id = output.wave_id
         ended = []
@@ -58,7 +60,7 @@ class RequestScheduler(BaseScheduler):
         if self.max_wait_s == 0 or len(wave) + len(self.running) >= self.max_num_running_reqs:
             return False
         if len(wave) < len(self.waiting):
-            return False  # an incompatible request already ends this wave: it cannot grow
+            return False  # requests of other keys wait: go now rather than delay them
         deadline = wave[0].arrival_time + self.max_wait_s
         newest = next(reversed(self.waiting.values()))
         stable_at = newest.arrival_time + self.stable_window_s

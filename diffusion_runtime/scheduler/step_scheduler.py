@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
-from diffusion_runtime.fsm import Trigger
+from diffusion_runtime.fsm import RequestStatus, Trigger
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 
@@ -18,6 +18,11 @@ class StepScheduler(BaseScheduler):
     (size, guidance, pipeline options; not the step count) matches the running
     set's; a request leaves as soon as it finishes. The scheduler tracks each
     request's progress but never holds model tensors.
+
+    A preemptive policy may preempt running requests at a step boundary: the
+    workers keep their state (they are listed in no output meanwhile), and
+    when scheduled again they resume as cached requests at the step they
+    reached, so their images are those of an uninterrupted run.
     """
 
     execution_mode = "step"
@@ -27,10 +32,16 @@ class StepScheduler(BaseScheduler):
         return params.step_batch_key()
 
     def schedule(self, now: float) -> SchedulerOutput | None:
-        cached_ids = tuple(self.running)
-        return self.build_output(self.next_wave(), cached_ids)
+        preempt, admit = self.plan(now, may_preempt=True)
+        for request in preempt:
+            self.machine.fire(request, Trigger.PREEMPT)
+        resumed = tuple(r for r in admit if r.state is RequestStatus.PREEMPTED)
+        new = [r for r in admit if r.state is not RequestStatus.PREEMPTED]
+        cached_ids = (*self.running, *(r.request_id for r in resumed))
+        return self.build_output(new, cached_ids, resumed)
 
     def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> list[Ended]:
+        self.record_wave_cost(output)
         fire = self.machine.fire
         wave_id = output.wave_id
         ended = []

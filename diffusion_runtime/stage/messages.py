@@ -44,6 +44,8 @@ class SamplingParamsMsg(_Part, frozen=True):
     height: int | None
     width: int | None
     extra_args: dict[str, Any]
+    priority: int = 0
+    deadline_s: float | None = None
 
 
 class MetricsMsg(_Part, frozen=True):

@@ -1,0 +1,126 @@
+"""Scheduling policies: the order in which waiting and running requests deserve to run.
+
+A policy only ranks requests; the scheduler turns the ranking into waves,
+head-of-line bypass and (step mode) preemption, and adds the aging bound that
+makes starvation impossible whatever the policy says. See ``docs/schedulers.md``.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import ClassVar
+
+from diffusion_runtime.fsm import RequestStatus
+from diffusion_runtime.pipelines.registry import import_object
+from diffusion_runtime.scheduler.request import Request
+from diffusion_runtime.scheduler.step_cost import StepCostModel
+
+#: A policy's rank: compared as a tuple, lower runs first.
+Rank = tuple[float, ...]
+
+
+class SchedulingPolicy(abc.ABC):
+    """Ranks requests for the scheduler; subclass it to write your own.
+
+    The scheduler builds it as ``policy_cls(costs)``, where ``costs`` is the
+    engine's online :class:`StepCostModel`, and calls :meth:`rank` for every
+    waiting and running request at every wave, so keep it cheap. Ties are
+    broken by admission order.
+    """
+
+    #: ``False`` keeps the waiting queue in arrival order with head-of-line
+    #: blocking (the ``fifo`` behaviour); ``True`` orders it by :meth:`rank`
+    #: and lets a request of another batch key pass a head it cannot batch with.
+    reorders: ClassVar[bool] = True
+    #: Whether (in step mode) a running request may be preempted at a step
+    #: boundary for better-ranked ones; it keeps its progress and resumes later.
+    preemptive: ClassVar[bool] = False
+
+    def __init__(self, costs: StepCostModel) -> None:
+        self.costs = costs
+
+    @abc.abstractmethod
+    def rank(self, request: Request, now: float) -> Rank:
+        """The request's place at monotonic time ``now``: lower runs first."""
+
+
+class FifoPolicy(SchedulingPolicy):
+    """Arrival order, head-of-line blocking, no preemption: the runtime's historic behaviour."""
+
+    reorders = False
+
+    def rank(self, request: Request, now: float) -> Rank:
+        return (request.arrival_time,)
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """Lowest ``priority`` first (as vLLM); better priority preempts worse in step mode."""
+
+    preemptive = True
+
+    def rank(self, request: Request, now: float) -> Rank:
+        return (request.params.priority,)
+
+
+class EarliestDeadlinePolicy(SchedulingPolicy):
+    """Earliest deadline first; requests without a deadline go last, then by priority."""
+
+    preemptive = True
+
+    def rank(self, request: Request, now: float) -> Rank:
+        deadline = math.inf if request.deadline is None else request.deadline
+        return (deadline, request.params.priority)
+
+
+#: The classes of :class:`SloAwarePolicy`, best first.
+_ON_TIME, _NO_DEADLINE, _LATE = 0, 1, 2
+#: Extra slack a running request is credited with, in steps, so that near-ties
+#: between it and a waiting request do not preempt back and forth.
+HYSTERESIS_STEPS = 2
+
+
+class SloAwarePolicy(SchedulingPolicy):
+    """Least slack first among requests that can still meet their deadline.
+
+    Slack is ``deadline - now - remaining_steps * seconds_per_step``, with the
+    step cost learnt online per batch key and batch size. Requests that can no
+    longer make their deadline are demoted behind every request that can (and
+    behind requests without a deadline), so an overload sacrifices the fewest
+    requests instead of making every one late; among themselves late requests
+    run earliest deadline first. Preemptive in step mode.
+    """
+
+    preemptive = True
+
+    def rank(self, request: Request, now: float) -> Rank:
+        priority = request.params.priority
+        if request.deadline is None:
+            return (_NO_DEADLINE, 0.0, priority)
+        step_s = self.costs.seconds_per_step(request.batch_key)
+        slack = request.deadline - now - request.remaining_steps * step_s
+        if slack < 0:
+            return (_LATE, request.deadline, priority)
+        if request.state is RequestStatus.RUNNING:
+            slack -= HYSTERESIS_STEPS * step_s
+        return (_ON_TIME, slack, priority)
+
+
+BUILTIN_POLICIES: dict[str, type[SchedulingPolicy]] = {
+    "fifo": FifoPolicy,
+    "priority": PriorityPolicy,
+    "edf": EarliestDeadlinePolicy,
+    "slo": SloAwarePolicy,
+}
+
+
+def resolve_policy_class(spec: str | type) -> type[SchedulingPolicy]:
+    """The policy class named by ``EngineConfig.scheduling_policy``."""
+    if isinstance(spec, str):
+        found = BUILTIN_POLICIES.get(spec)
+        policy = found if found is not None else import_object(spec)
+    else:
+        policy = spec
+    if not (isinstance(policy, type) and issubclass(policy, SchedulingPolicy)):
+        raise TypeError(f"scheduling_policy {spec!r} is not a SchedulingPolicy subclass")
+    return policy

@@ -1,0 +1,50 @@
+"""StepCostModel: how long one denoising step takes, learnt online from the waves that ran."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+#: Weight of the newest sample in each moving average.
+SMOOTHING = 0.2
+#: The estimate before anything has been measured (a small model's step on a CPU).
+DEFAULT_STEP_S = 0.001
+
+
+class StepCostModel:
+    """Exponential moving averages of the seconds per denoising step, by batch key
+    and batch size (requests in the wave).
+
+    An estimate for a (key, size) never measured falls back to the key's
+    average over all sizes, then to the average over every key, then to
+    :data:`DEFAULT_STEP_S`. Memory grows with the number of distinct keys and
+    sizes seen, not with requests.
+    """
+
+    def __init__(self) -> None:
+        self._by_key_and_size: dict[tuple[Hashable, int], float] = {}
+        self._by_key: dict[Hashable, float] = {}
+        self._last_size: dict[Hashable, int] = {}
+        self._overall: float | None = None
+
+    def observe(self, key: Hashable, batch_size: int, seconds_per_step: float) -> None:
+        """Record that a wave of ``batch_size`` requests of ``key`` took this long per step."""
+        self._by_key_and_size[key, batch_size] = _blend(
+            self._by_key_and_size.get((key, batch_size)), seconds_per_step
+        )
+        self._by_key[key] = _blend(self._by_key.get(key), seconds_per_step)
+        self._last_size[key] = batch_size
+        self._overall = _blend(self._overall, seconds_per_step)
+
+    def seconds_per_step(self, key: Hashable, batch_size: int | None = None) -> float:
+        """The current estimate for one step of a wave of ``batch_size`` requests of
+        ``key`` (``None``: the size of the last wave of ``key``)."""
+        if batch_size is None:
+            batch_size = self._last_size.get(key, 1)
+        estimate = self._by_key_and_size.get((key, batch_size))
+        if estimate is None:
+            estimate = self._by_key.get(key, self._overall)
+        return DEFAULT_STEP_S if estimate is None else estimate
+
+
+def _blend(average: float | None, sample: float) -> float:
+    return sample if average is None else average + SMOOTHING * (sample - average)
