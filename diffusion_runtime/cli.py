@@ -246,6 +246,7 @@ BENCHMARKS = {
     "ipc": "diffusion_runtime.bench.ipc:run",
     "http": "diffusion_runtime.bench.http:run",
     "ray": "diffusion_runtime.bench.ray:run",
+    "slo": "diffusion_runtime.bench.slo:run",
 }
 
 

@@ -250,3 +250,7 @@ def test_the_schedulers_guide_example_subclasses_an_exported_scheduler(tmp_path:
     assert {RequestScheduler.execution_mode, StepScheduler.execution_mode} == {"request", "step"}
     out = run_block(tmp_path, DOCS / "schedulers.md", "class FewestStepsFirst")
     assert len(out.splitlines()) == 3
+
+
+def test_the_schedulers_guide_policy_example_runs(tmp_path: Path) -> None:
+    run_block(tmp_path, DOCS / "schedulers.md", "class FewestRemainingStepsFirst")

@@ -7,7 +7,7 @@ import heapq
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, NamedTuple
 
 from diffusion_runtime.config import EngineConfig
@@ -55,6 +55,8 @@ class BaseScheduler(abc.ABC):
     #: then do finished ids travel in ``finished_ids``: in request mode a
     #: worker holds nothing once a wave is done, so nothing is sent to release.
     keeps_runner_state: ClassVar[bool] = False
+    #: The clock that times waves for the step cost model (a simulation may replace it).
+    clock: Callable[[], float] = staticmethod(time.monotonic)
 
     def __init__(self, machine: RequestMachine[Request], config: EngineConfig) -> None:
         self.machine = machine
@@ -215,13 +217,15 @@ class BaseScheduler(abc.ABC):
         """``(running requests to preempt, waiting requests to schedule)`` for the next wave.
 
         Under a policy that does not reorder this is :meth:`next_wave`. Otherwise
-        the batch key is that of the best-ranked request and the wave takes the
-        best-ranked requests of that key, skipping any of another key
-        (head-of-line bypass). With ``may_preempt`` and a preemptive policy,
-        running requests compete with waiting ones for the ``max_num_seqs``
-        places; the losers are preempted. Without preemption the running set
-        keeps its key, except that an aged request of another key stops
-        admission until the running set drains (so it cannot starve).
+        requests are grouped by batch key, each group holding its best-ranked
+        requests (up to ``max_num_seqs``); the group of an aged best-ranked
+        request runs, else the one the policy's ``choose_batch`` picks, and
+        requests of other keys are skipped, not waited for (head-of-line
+        bypass). With ``may_preempt`` and a preemptive policy, running requests
+        compete with waiting ones and those left out are preempted. Without
+        preemption the running set keeps its key, except that an aged request
+        of another key stops admission until the running set drains (so it
+        cannot starve).
         """
         if not self.policy.reorders:
             return [], self.next_wave()
@@ -229,25 +233,37 @@ class BaseScheduler(abc.ABC):
         def rank(request: Request) -> tuple[Any, ...]:
             return self.effective_rank(request, now)
 
-        capacity = self.max_num_running_reqs
         if may_preempt and self.policy.preemptive:
-            ranked = sorted([*self.running.values(), *self.waiting.values()], key=rank)
-            if not ranked:
-                return [], []
-            key = ranked[0].batch_key
-            chosen = [r for r in ranked if r.batch_key == key][:capacity]
+            chosen = self._choose_batch(
+                sorted([*self.running.values(), *self.waiting.values()], key=rank), now
+            )
             chosen_ids = {r.request_id for r in chosen}
             preempt = [r for r in self.running.values() if r.request_id not in chosen_ids]
             return preempt, [r for r in chosen if r.request_id not in self.running]
-        free = capacity - len(self.running)
+        free = self.max_num_running_reqs - len(self.running)
         if free <= 0 or not self.waiting:
             return [], []
         waiting = sorted(self.waiting.values(), key=rank)
         running = next(iter(self.running.values()), None)
-        key = waiting[0].batch_key if running is None else running.batch_key
-        if waiting[0].batch_key != key and self.is_aged(waiting[0], now):
+        if running is None:
+            return [], self._choose_batch(waiting, now)
+        if waiting[0].batch_key != running.batch_key and self.is_aged(waiting[0], now):
             return [], []  # drain the running set: the aged request's key goes next
-        return [], [r for r in waiting if r.batch_key == key][:free]
+        return [], [r for r in waiting if r.batch_key == running.batch_key][:free]
+
+    def _choose_batch(self, ranked: list[Request], now: float) -> list[Request]:
+        """The batch to run among ``ranked`` requests (best first)."""
+        batches: dict[Hashable, list[Request]] = {}
+        for request in ranked:
+            batch = batches.setdefault(request.batch_key, [])
+            if len(batch) < self.max_num_running_reqs:
+                batch.append(request)
+        if not batches:
+            return []
+        ordered = list(batches.values())
+        if self.is_aged(ranked[0], now):
+            return ordered[0]
+        return ordered[self.policy.choose_batch(ordered, now)]
 
     def next_wave(self) -> list[Request]:
         """The longest FIFO run of waiting requests that may join the running set.
@@ -289,7 +305,7 @@ class BaseScheduler(abc.ABC):
             first = self.requests[new[0].request_id if new else cached_ids[0]]
             steps = first.params.num_inference_steps if self.execution_mode == "request" else 1
             size = len(new) + len(cached_ids)
-            self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, time.monotonic())
+            self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, self.clock())
         finished_ids = tuple(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(
@@ -310,7 +326,7 @@ class BaseScheduler(abc.ABC):
         if timing is None or timing.wave_id != output.wave_id:
             return
         self._wave_timing = None
-        seconds = time.monotonic() - timing.started
+        seconds = self.clock() - timing.started
         self.step_costs.observe(timing.key, timing.batch_size, seconds / timing.steps)
 
     def requeue_finished_ids(self, request_ids: tuple[str, ...]) -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 from typing import ClassVar
 
-from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.pipelines.registry import import_object
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.step_cost import StepCostModel
@@ -44,6 +44,12 @@ class SchedulingPolicy(abc.ABC):
     def rank(self, request: Request, now: float) -> Rank:
         """The request's place at monotonic time ``now``: lower runs first."""
 
+    def choose_batch(self, batches: Sequence[Sequence[Request]], now: float) -> int:
+        """Which batch runs next: ``batches`` hold the best-ranked requests of each
+        batch key (best first, at most ``max_num_seqs``), ordered by their best
+        request. The default, ``0``, follows the best-ranked request."""
+        return 0
+
 
 class FifoPolicy(SchedulingPolicy):
     """Arrival order, head-of-line blocking, no preemption: the runtime's historic behaviour."""
@@ -75,20 +81,20 @@ class EarliestDeadlinePolicy(SchedulingPolicy):
 
 #: The classes of :class:`SloAwarePolicy`, best first.
 _ON_TIME, _NO_DEADLINE, _LATE = 0, 1, 2
-#: Extra slack a running request is credited with, in steps, so that near-ties
-#: between it and a waiting request do not preempt back and forth.
-HYSTERESIS_STEPS = 2
 
 
 class SloAwarePolicy(SchedulingPolicy):
-    """Least slack first among requests that can still meet their deadline.
+    """Earliest deadline first among the requests that can still meet their deadline.
 
-    Slack is ``deadline - now - remaining_steps * seconds_per_step``, with the
-    step cost learnt online per batch key and batch size. Requests that can no
-    longer make their deadline are demoted behind every request that can (and
-    behind requests without a deadline), so an overload sacrifices the fewest
-    requests instead of making every one late; among themselves late requests
-    run earliest deadline first. Preemptive in step mode.
+    A request can still make it when its slack, ``deadline - now -
+    remaining_steps * seconds_per_step``, is not negative; the step cost is
+    learnt online per batch key and batch size. Requests that can no longer
+    make it are demoted behind every request that can (and behind requests
+    without a deadline), so an overload sacrifices the fewest requests instead
+    of making every one late: plain earliest deadline first would serve the
+    hopeless ones first and miss the rest too. Late requests run shortest
+    remaining work first. Between batch keys it runs the batch with the most
+    requests still on time. Preemptive in step mode.
     """
 
     preemptive = True
@@ -98,12 +104,21 @@ class SloAwarePolicy(SchedulingPolicy):
         if request.deadline is None:
             return (_NO_DEADLINE, 0.0, priority)
         step_s = self.costs.seconds_per_step(request.batch_key)
-        slack = request.deadline - now - request.remaining_steps * step_s
-        if slack < 0:
-            return (_LATE, request.deadline, priority)
-        if request.state is RequestStatus.RUNNING:
-            slack -= HYSTERESIS_STEPS * step_s
-        return (_ON_TIME, slack, priority)
+        remaining_s = request.remaining_steps * step_s
+        if request.deadline - now < remaining_s:
+            return (_LATE, remaining_s, priority)
+        return (_ON_TIME, request.deadline, priority)
+
+    def choose_batch(self, batches: Sequence[Sequence[Request]], now: float) -> int:
+        """The batch with the most requests that can still meet their deadline, then
+        the fullest: one urgent request of another key does not idle a batch of them."""
+
+        def value(index: int) -> tuple[int, int, int]:
+            batch = batches[index]
+            on_time = sum(self.rank(request, now)[0] == _ON_TIME for request in batch)
+            return (on_time, len(batch), -index)
+
+        return max(range(len(batches)), key=value)
 
 
 BUILTIN_POLICIES: dict[str, type[SchedulingPolicy]] = {
