@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diffusion_runtime import DiffusionEngine, EngineConfig, SamplingParams
+from diffusion_runtime import DiffusionEngine, EngineConfig, EngineDeadError, SamplingParams
 from diffusion_runtime.contracts import SchedulerOutput
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.fsm import LifecycleEvent, RequestStatus
@@ -32,9 +32,9 @@ HIGH = SamplingParams(num_inference_steps=4)
 def make_core(mode: str = "step", audit: str = "raise", **config: Any) -> EngineCore:
     config.setdefault("scheduling_policy", "priority")
     config.setdefault("max_num_seqs", 1)
+    config.setdefault("pipeline", "digits")
     return EngineCore(
         EngineConfig(
-            pipeline="digits",
             device="cpu",
             execution_mode=mode,
             warmup=False,
@@ -126,6 +126,21 @@ def test_a_request_that_ends_while_preempted_leaves_nothing(end: str) -> None:
     assert core.auditor.violations == []
 
 
+def test_a_device_fault_while_a_request_is_preempted_fails_it_and_leaves_nothing() -> None:
+    core = make_core(pipeline="testing-faults")
+    try:
+        core.add_request("low", "a", SamplingParams(num_inference_steps=6, priority=5), seed=0)
+        steps(core, 2)
+        core.add_request("fault", "device-fault", SamplingParams(num_inference_steps=3), seed=0)
+        with pytest.raises(EngineDeadError):
+            core.step()  # "low" is preempted, then the step of "fault" kills the device
+        assert core.scheduler.num_preemptions == 1 and not core.scheduler.requests
+    finally:
+        core.shutdown()
+    assert core.auditor is not None and core.auditor.dead
+    assert core.auditor.violations == []
+
+
 def test_deadline_passed_while_waiting_drops_or_runs_late() -> None:
     late = SamplingParams(num_inference_steps=2, deadline_s=0.5)
     an_hour_ago = time.monotonic() - 3600.0
@@ -192,7 +207,10 @@ def test_the_auditor_catches_broken_preemption(
     core = make_core(audit="report")
     try:
         preempt_low(core)
-        core.abort(["low"]) if name == "_on_terminal" else drain(core)
+        if name == "_on_terminal":
+            core.abort(["low"])
+        else:
+            drain(core)
     finally:
         core.shutdown()
     assert core.auditor is not None

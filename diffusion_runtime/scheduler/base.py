@@ -21,6 +21,8 @@ from diffusion_runtime.scheduler.step_cost import StepCostModel
 
 #: The reason of a request aborted because its deadline passed while it waited.
 DEADLINE_REASON = "deadline"
+#: The states in which a request whose deadline passes is dropped (``deadline_miss="drop"``).
+_DROPPABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class Ended(NamedTuple):
@@ -143,7 +145,7 @@ class BaseScheduler(abc.ABC):
         while deadlines and deadlines[0][0] <= now:
             request = heapq.heappop(deadlines)[2]
             # A running request leaves the heap; it comes back if it is preempted.
-            if request.state in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            if request.state in _DROPPABLE:
                 event = self.machine.fire(request, Trigger.ABORT, reason=DEADLINE_REASON)
                 ended.append(Ended(request, event))
         return ended
@@ -301,8 +303,8 @@ class BaseScheduler(abc.ABC):
         schedule = self.machine.fire
         for request in (*resumed, *new):
             schedule(request, Trigger.SCHEDULE, wave_id=wave_id)
-        if new or cached_ids:
-            first = self.requests[new[0].request_id if new else cached_ids[0]]
+        first = new[0] if new else self.requests.get(cached_ids[0]) if cached_ids else None
+        if first is not None:
             steps = first.params.num_inference_steps if self.execution_mode == "request" else 1
             size = len(new) + len(cached_ids)
             self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, self.clock())
@@ -357,8 +359,15 @@ class BaseScheduler(abc.ABC):
             request.step_index, request.num_steps = 0, None
 
     def _watch_deadline(self, request: Request) -> None:
-        if self.drops_late_requests and request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, request.order, request))
+        if not self.drops_late_requests or request.deadline is None:
+            return
+        deadlines = self._deadlines
+        if len(deadlines) > 2 * len(self.waiting) + 64:
+            # Entries of requests that ran or ended wait for their deadline to pass:
+            # shed them now and then, so the heap stays the size of the queue.
+            deadlines[:] = [entry for entry in deadlines if entry[2].state in _DROPPABLE]
+            heapq.heapify(deadlines)
+        heapq.heappush(deadlines, (request.deadline, request.order, request))
 
     def _on_terminal(self, request: Request, event: LifecycleEvent) -> None:
         request_id = request.request_id
