@@ -167,6 +167,9 @@ def test_the_same_seed_gives_the_same_image(digits: Served) -> None:
     first, second = (digits.http.post(GENERATIONS, json=body).json() for _ in range(2))
     assert first["seed"] == second["seed"] == 11
     assert first["data"] == second["data"]
+    scheduled = digits.http.post(GENERATIONS, json=body | {"priority": -3, "deadline": 30.0})
+    assert scheduled.status_code == 200, scheduled.text
+    assert scheduled.json()["data"] == first["data"], "scheduling fields never change the image"
 
 
 @pytest.mark.parametrize(
@@ -183,8 +186,8 @@ def test_the_same_seed_gives_the_same_image(digits: Served) -> None:
         ({"num_inference_steps": 0}, "num_inference_steps", "integer"),
         ({"guidance_scale": -1.0}, "guidance_scale", "finite number"),
         ({"seed": -1}, "seed", "integer"),
-        ({"priority": 1}, "priority", "scheduler does not support"),
-        ({"deadline": 2.5}, "deadline", "scheduler does not support"),
+        ({"priority": 2**40}, "priority", "integer"),
+        ({"deadline": 0.0}, "deadline", "finite number"),
         ({"quality": "hd"}, "quality", "does not support this field"),
         ({"response_format": "jpeg"}, "response_format", "b64_json"),
         ({"stream": True, "response_format": "url"}, "response_format", "inline"),

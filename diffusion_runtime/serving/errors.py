@@ -26,6 +26,7 @@ PUBLIC_FIELD_NAMES = {
     "height": "size",
     "width": "size",
     "num_outputs_per_prompt": "n",
+    "deadline_s": "deadline",
 }
 
 

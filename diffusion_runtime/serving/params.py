@@ -5,8 +5,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import attrs
-
 from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.serving.config import ServerConfig
@@ -15,8 +13,8 @@ from diffusion_runtime.serving.schema import ImageGenerationRequest
 
 _SIZE = re.compile(r"([1-9][0-9]{0,4})x([1-9][0-9]{0,4})")
 
-#: Extensions that belong to a scheduler: passed on only if ``SamplingParams`` has the field.
-SCHEDULING_FIELDS = ("priority", "deadline")
+#: Scheduling extensions and the ``SamplingParams`` field each maps onto.
+SCHEDULING_FIELDS = {"priority": "priority", "deadline": "deadline_s"}
 
 #: Extensions that map one to one onto a ``SamplingParams`` field.
 SAMPLING_FIELDS = ("num_inference_steps", "guidance_scale", "seed")
@@ -50,16 +48,11 @@ def sampling_params_for(body: ImageGenerationRequest, config: ServerConfig) -> S
     kwargs.update(
         (name, getattr(body, name)) for name in SAMPLING_FIELDS if getattr(body, name) is not None
     )
-    supported = attrs.fields_dict(SamplingParams)
-    for name in SCHEDULING_FIELDS:
-        value = getattr(body, name)
-        if value is None:
-            continue
-        if name not in supported:
-            raise bad_field(
-                name, f"{name}: the running engine's scheduler does not support this field"
-            )
-        kwargs[name] = value
+    kwargs.update(
+        (field, getattr(body, name))
+        for name, field in SCHEDULING_FIELDS.items()
+        if getattr(body, name) is not None
+    )
     try:
         return SamplingParams(**kwargs)
     except InvalidFieldError as exc:
