@@ -343,3 +343,10 @@ def test_deadline_bookkeeping_stays_the_size_of_the_queue() -> None:
         run_wave(scheduler, out)
     assert not scheduler.requests
     assert len(scheduler._deadlines) <= 65  # only entries of requests that ended remain
+
+
+def test_the_stage_codec_carries_the_scheduling_fields() -> None:
+    from diffusion_runtime.stage.codec import params_from_msg, params_to_msg
+
+    params = SamplingParams(priority=-4, deadline_s=2.5)
+    assert params_from_msg(params_to_msg(params)) == params
