@@ -236,7 +236,7 @@ operations = st.lists(
 )
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     mode=st.sampled_from(["request", "step"]),
     policy=st.sampled_from(["fifo", "priority", "edf", "slo"]),

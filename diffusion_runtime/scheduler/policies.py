@@ -87,8 +87,10 @@ class SloAwarePolicy(SchedulingPolicy):
     """Earliest deadline first among the requests that can still meet their deadline.
 
     A request can still make it when its slack, ``deadline - now -
-    remaining_steps * seconds_per_step``, is not negative; the step cost is
-    learnt online per batch key and batch size. Requests that can no longer
+    remaining_steps * seconds_per_step``, is not negative, with the fastest
+    step measured online for its batch key: only a request that would be late
+    even at the best speed seen counts as late, since demoting one that could
+    still make it loses its deadline for sure. Requests that can no longer
     make it are demoted behind every request that can (and behind requests
     without a deadline), so an overload sacrifices the fewest requests instead
     of making every one late: plain earliest deadline first would serve the
@@ -103,7 +105,7 @@ class SloAwarePolicy(SchedulingPolicy):
         priority = request.params.priority
         if request.deadline is None:
             return (_NO_DEADLINE, 0.0, priority)
-        step_s = self.costs.seconds_per_step(request.batch_key)
+        step_s = self.costs.fastest_seconds_per_step(request.batch_key)
         remaining_s = request.remaining_steps * step_s
         if request.deadline - now < remaining_s:
             return (_LATE, remaining_s, priority)

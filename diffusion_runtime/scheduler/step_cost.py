@@ -16,14 +16,15 @@ class StepCostModel:
 
     An estimate for a (key, size) never measured falls back to the key's
     average over all sizes, then to the average over every key, then to
-    :data:`DEFAULT_STEP_S`. Memory grows with the number of distinct keys and
-    sizes seen, not with requests.
+    :data:`DEFAULT_STEP_S`. The fastest step seen per key is kept too. Memory
+    grows with the number of distinct keys and sizes seen, not with requests.
     """
 
     def __init__(self) -> None:
         self._by_key_and_size: dict[tuple[Hashable, int], float] = {}
         self._by_key: dict[Hashable, float] = {}
         self._last_size: dict[Hashable, int] = {}
+        self._fastest: dict[Hashable, float] = {}
         self._overall: float | None = None
 
     def observe(self, key: Hashable, batch_size: int, seconds_per_step: float) -> None:
@@ -33,6 +34,7 @@ class StepCostModel:
         )
         self._by_key[key] = _blend(self._by_key.get(key), seconds_per_step)
         self._last_size[key] = batch_size
+        self._fastest[key] = min(self._fastest.get(key, seconds_per_step), seconds_per_step)
         self._overall = _blend(self._overall, seconds_per_step)
 
     def seconds_per_step(self, key: Hashable, batch_size: int | None = None) -> float:
@@ -44,6 +46,12 @@ class StepCostModel:
         if estimate is None:
             estimate = self._by_key.get(key, self._overall)
         return DEFAULT_STEP_S if estimate is None else estimate
+
+    def fastest_seconds_per_step(self, key: Hashable) -> float:
+        """The fastest step of ``key`` measured so far (a lower bound on what the
+        next ones will take), or the current estimate before any was measured."""
+        fastest = self._fastest.get(key)
+        return self.seconds_per_step(key) if fastest is None else fastest
 
 
 def _blend(average: float | None, sample: float) -> float:
