@@ -174,7 +174,9 @@ def test_step_cost_model_learns_per_key_and_batch_size() -> None:
     assert costs.seconds_per_step("k") == pytest.approx(0.01)  # the last size seen
     assert costs.seconds_per_step("k", 2) == pytest.approx(0.018)  # the key's average
     assert costs.seconds_per_step("other", 1) == pytest.approx(0.018)  # every key's average
-    assert costs.fastest_seconds_per_step("k") == pytest.approx(0.01)
+    assert costs.fastest_seconds_per_step("k") == pytest.approx(0.01)  # at the last size, 1
+    assert costs.fastest_seconds_per_step("k", 4) == pytest.approx(0.02)
+    assert costs.fastest_seconds_per_step("k", 2) == pytest.approx(0.01)  # any size
     assert costs.fastest_seconds_per_step("other") == pytest.approx(0.018)
 
 

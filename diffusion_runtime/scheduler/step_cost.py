@@ -25,6 +25,7 @@ class StepCostModel:
         self._by_key: dict[Hashable, float] = {}
         self._last_size: dict[Hashable, int] = {}
         self._fastest: dict[Hashable, float] = {}
+        self._fastest_by_size: dict[tuple[Hashable, int], float] = {}
         self._overall: float | None = None
 
     def observe(self, key: Hashable, batch_size: int, seconds_per_step: float) -> None:
@@ -35,6 +36,9 @@ class StepCostModel:
         self._by_key[key] = _blend(self._by_key.get(key), seconds_per_step)
         self._last_size[key] = batch_size
         self._fastest[key] = min(self._fastest.get(key, seconds_per_step), seconds_per_step)
+        self._fastest_by_size[key, batch_size] = min(
+            self._fastest_by_size.get((key, batch_size), seconds_per_step), seconds_per_step
+        )
         self._overall = _blend(self._overall, seconds_per_step)
 
     def seconds_per_step(self, key: Hashable, batch_size: int | None = None) -> float:
@@ -47,11 +51,14 @@ class StepCostModel:
             estimate = self._by_key.get(key, self._overall)
         return DEFAULT_STEP_S if estimate is None else estimate
 
-    def fastest_seconds_per_step(self, key: Hashable) -> float:
-        """The fastest step of ``key`` measured so far (a lower bound on what the
-        next ones will take), or the current estimate before any was measured."""
-        fastest = self._fastest.get(key)
-        return self.seconds_per_step(key) if fastest is None else fastest
+    def fastest_seconds_per_step(self, key: Hashable, batch_size: int | None = None) -> float:
+        """The fastest step measured so far for ``key`` at ``batch_size`` (``None``:
+        the size of the last wave of ``key``), else at any size, else the estimate:
+        a lower bound on what the next steps will take."""
+        if batch_size is None:
+            batch_size = self._last_size.get(key, 1)
+        fastest = self._fastest_by_size.get((key, batch_size), self._fastest.get(key))
+        return self.seconds_per_step(key, batch_size) if fastest is None else fastest
 
 
 def _blend(average: float | None, sample: float) -> float:
