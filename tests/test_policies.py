@@ -354,3 +354,24 @@ def test_the_stage_codec_carries_the_scheduling_fields() -> None:
 
     params = SamplingParams(priority=-4, deadline_s=2.5)
     assert params_from_msg(params_to_msg(params)) == params
+
+
+def test_a_policy_class_reaches_other_processes_only_where_it_schedules() -> None:
+    import pickle
+
+    from diffusion_runtime.executor.mp.spec import portable_config, worker_config
+
+    class LocalPolicy(ShortestFirst):
+        pass
+
+    local = EngineConfig(scheduling_policy=LocalPolicy)
+    # Workers never schedule: they get the default name and the config travels.
+    assert pickle.loads(pickle.dumps(worker_config(local))).scheduling_policy == "fifo"
+    # A stage child schedules, so its policy must travel; a local class is refused by field.
+    with pytest.raises(InvalidFieldError, match="scheduling_policy"):
+        portable_config(local)
+    shipped = pickle.loads(
+        pickle.dumps(portable_config(EngineConfig(scheduling_policy=ShortestFirst)))
+    )
+    assert shipped.scheduling_policy.__name__ == "ShortestFirst"
+    assert worker_config(EngineConfig(scheduling_policy="edf")).scheduling_policy == "edf"

@@ -38,7 +38,7 @@ from diffusion_runtime.executor.mp.messages import (
 from diffusion_runtime.executor.mp.monitor import DeathMonitor
 from diffusion_runtime.executor.mp.pump import ResultPump
 from diffusion_runtime.executor.mp.segments import SEGMENT_PREFIX, OutputReader, sweep
-from diffusion_runtime.executor.mp.spec import WorkerSpec, portable_config
+from diffusion_runtime.executor.mp.spec import WorkerSpec, worker_config
 from diffusion_runtime.executor.rpc_checks import (
     checked_method,
     checked_reply_rank,
@@ -65,7 +65,7 @@ class MultiprocExecutor(DiffusionExecutor):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        worker_config = portable_config(config)
+        config_sent = worker_config(config)
         self._segment_prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
         self._dist_dir: str | None = None
         init_method = None
@@ -73,7 +73,7 @@ class MultiprocExecutor(DiffusionExecutor):
             self._dist_dir = tempfile.mkdtemp(prefix="diffusion-rt-dist-")
             init_method = f"file://{self._dist_dir}/rendezvous"
         specs = [
-            WorkerSpec(worker_config, rank, self._segment_prefix, init_method)
+            WorkerSpec(config_sent, rank, self._segment_prefix, init_method)
             for rank in range(config.num_workers)
         ]
         try:

@@ -57,7 +57,20 @@ def portable_config(config: EngineConfig) -> EngineConfig:
     _require_picklable(
         config.pipeline_kwargs, "pipeline_kwargs", "must be picklable to reach worker processes"
     )
+    _require_picklable(
+        config.scheduling_policy,
+        "scheduling_policy",
+        "must be a policy name, an import path or a module-level class to reach another process",
+    )
     return config if pipeline is config.pipeline else attrs.evolve(config, pipeline=pipeline)
+
+
+def worker_config(config: EngineConfig) -> EngineConfig:
+    """``config`` as worker processes receive it: portable, and without a policy
+    class (workers never schedule, and a class defined in a function cannot travel)."""
+    if not isinstance(config.scheduling_policy, str):
+        config = attrs.evolve(config, scheduling_policy="fifo")
+    return portable_config(config)
 
 
 def _importable_name(name: str) -> bool:
