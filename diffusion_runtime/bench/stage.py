@@ -15,11 +15,17 @@
   ``bytes`` inside the msgspec struct (one copy each way, plus one to make the
   decoded tensor writable); ``socket`` adds the trip through a real ZMQ
   PUSH/PULL pair over IPC, inside one process.
+- ``throughput``: images per second of ``generate`` on digits through a
+  :class:`StageClient` against the blocking in-process
+  ``DiffusionEngine.generate`` (which drives the core on the caller's thread),
+  timed in interleaved rounds at each batch size. Only public API is used, so
+  the same function measures an older build side by side with this one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -107,6 +113,48 @@ async def round_trip(steps: int, repeats: int, burst: int) -> dict[str, Any]:
                 "burst": await _side_by_side(client, _generate, engine, prompts, params, bursts),
                 "batch": await _side_by_side(client, _batch, engine, prompts, params, bursts),
             }
+
+
+# -- throughput -----------------------------------------------------------------------
+
+
+async def throughput(
+    steps: int = 10, batch_sizes: tuple[int, ...] = (1, 8, 32), repeats: int = 5
+) -> dict[str, Any]:
+    """Images/s through the stage and in process (blocking ``generate``), interleaved."""
+    largest = max(batch_sizes)
+    # One torch thread each: two processes whose thread teams spin on 2 cores slow
+    # each other down far more than the stage itself costs.
+    config = EngineConfig(
+        pipeline="digits", device="cpu", max_num_seqs=largest, intra_op_threads=1
+    )
+    params = SamplingParams(num_inference_steps=steps, seed=0)
+    rows = []
+    async with StageClient(config) as client:
+        with DiffusionEngine.make_engine(config) as engine:
+            for size in batch_sizes:
+                prompts = [str(d % 10) for d in range(size)]
+                stage_rates: list[float] = []
+                local_rates: list[float] = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    outputs = await client.generate(prompts, params)
+                    stage_rates.append(size / (time.perf_counter() - start))
+                    assert all(o.ok for o in outputs)
+                    start = time.perf_counter()
+                    outputs = engine.generate(prompts, params)
+                    local_rates.append(size / (time.perf_counter() - start))
+                    assert all(o.ok for o in outputs)
+                stage, local = statistics.median(stage_rates), statistics.median(local_rates)
+                rows.append(
+                    {
+                        "batch": size,
+                        "stage_images_per_s": round(stage, 1),
+                        "in_process_images_per_s": round(local, 1),
+                        "stage_over_in_process": round(stage / local, 3),
+                    }
+                )
+    return {"pipeline": "digits", "num_inference_steps": steps, "repeats": repeats, "rows": rows}
 
 
 # -- one image ---------------------------------------------------------------------------
@@ -225,5 +273,6 @@ def run(
     return {
         "benchmark": "stage",
         "round_trip": asyncio.run(round_trip(steps, repeats, burst)),
+        "throughput": asyncio.run(throughput()),
         "image": image_costs(image_samples),
     }
