@@ -55,7 +55,8 @@ from diffusion_runtime.streams import (
     AsyncStream,
     GenerateWaiter,
     OutputSink,
-    read_until_final,
+    claim_stream,
+    read_stream,
     wake_streams,
 )
 
@@ -216,30 +217,10 @@ class DiffusionEngine:
         its result.
         """
         with self._changed:
-            stream = self._unclaimed.get(request_id)
-            if stream is None:
-                raise KeyError(f"no unclaimed output stream for request {request_id!r}")
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = stream.loop  # checked when it is read, by asyncio itself
-            if running is not stream.loop:
-                raise RuntimeError(
-                    f"request {request_id!r} was added on another event loop; "
-                    "read its stream on that loop"
-                )
-            del self._unclaimed[request_id]
-        return self._read(request_id, stream)
-
-    async def _read(
-        self, request_id: str, stream: AsyncStream
-    ) -> AsyncGenerator[RequestOutput, None]:
-        outputs = read_until_final(
+            stream = claim_stream(self._unclaimed, request_id)
+        return read_stream(
             stream, lambda: self._abort_for([request_id], stream, "the consumer stopped reading")
         )
-        async with contextlib.aclosing(outputs):  # an early stop aborts now, not at GC
-            async for output in outputs:
-                yield output
 
     def abort(
         self, request_ids: str | Iterable[str], reason: str = "aborted by the caller"

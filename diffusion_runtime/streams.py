@@ -7,6 +7,7 @@ consumers are woken once per loop per tick, not once per output.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
@@ -99,6 +100,39 @@ async def read_until_final(
         if not finished:
             stream.close()
             abandon()
+
+
+def claim_stream(unclaimed: dict[str, AsyncStream], request_id: str) -> AsyncStream:
+    """Take ``request_id``'s unread stream out of ``unclaimed`` for its one reader.
+
+    Raises ``KeyError`` for an id with no unclaimed stream (unknown, or read
+    already) and ``RuntimeError`` when called on another event loop than the
+    stream's; the stream then stays unclaimed.
+    """
+    stream = unclaimed.get(request_id)
+    if stream is None:
+        raise KeyError(f"no unclaimed output stream for request {request_id!r}")
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = stream.loop  # checked when it is read, by asyncio itself
+    if running is not stream.loop:
+        raise RuntimeError(
+            f"request {request_id!r} was added on another event loop; read its stream on that loop"
+        )
+    del unclaimed[request_id]
+    return stream
+
+
+async def read_stream(
+    stream: AsyncStream, abandon: Callable[[], None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """:func:`read_until_final`, closed as soon as the reader stops (so an early
+    stop aborts now, not when the generator is garbage-collected)."""
+    outputs = read_until_final(stream, abandon)
+    async with contextlib.aclosing(outputs):
+        async for output in outputs:
+            yield output
 
 
 def wake_streams(streams: list[AsyncStream]) -> None:

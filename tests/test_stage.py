@@ -16,7 +16,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,6 +39,7 @@ from diffusion_runtime import (
     RPCError,
     SamplingParams,
 )
+from diffusion_runtime.fsm.events import ADMIT, LifecycleEvent, TraceEvent
 from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
 from diffusion_runtime.stage import StageClient, StageStartError
 from diffusion_runtime.stage.endpoints import bind
@@ -61,6 +62,8 @@ from diffusion_runtime.testing.pipelines import FaultInjectingPipeline
 S = RequestStatus
 T = TypeVar("T")
 FAST = SamplingParams(num_inference_steps=3, seed=11)
+#: Steps enough that a "tick" request outlasts whatever a test waits for.
+LONG = SamplingParams(num_inference_steps=50, seed=11)
 
 
 # -- what the stage process builds -------------------------------------------------------
@@ -69,7 +72,8 @@ FAST = SamplingParams(num_inference_steps=3, seed=11)
 class StagePipeline(FaultInjectingPipeline):
     """The fault-injecting pipeline with streaming previews and a gate across processes:
     a forward or step with a "hold" prompt leaves ``entered`` in ``gate_dir`` and
-    waits there for ``release``."""
+    waits there for ``release``; one with a "tick" prompt waits for ``release`` or
+    for a ``tick``, which it consumes (so a test lets it run one step at a time)."""
 
     def __init__(self, device: Any = "cpu", gate_dir: str = "") -> None:
         super().__init__(device)
@@ -87,11 +91,16 @@ class StagePipeline(FaultInjectingPipeline):
         return torch.sigmoid(state.latents)
 
     def _hold(self, prompts: list[Any]) -> None:
-        if not any("hold" in str(prompt) for prompt in prompts):
+        ticking = any("tick" in str(prompt) for prompt in prompts)
+        if not ticking and not any("hold" in str(prompt) for prompt in prompts):
             return
         (self.gate_dir / "entered").touch()
+        release, tick = self.gate_dir / "release", self.gate_dir / "tick"
         deadline = time.monotonic() + 30
-        while not (self.gate_dir / "release").exists() and time.monotonic() < deadline:
+        while not release.exists() and time.monotonic() < deadline:
+            if ticking and tick.exists():
+                tick.unlink()
+                return
             time.sleep(0.005)
 
 
@@ -103,6 +112,9 @@ class Probe:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def thread_names(self) -> list[str]:
+        return sorted(thread.name for thread in threading.enumerate())
 
     def echo(self, value: Any) -> Any:
         return value
@@ -160,7 +172,7 @@ class Gate:
         self.path = path
 
     def __enter__(self) -> Gate:
-        for name in ("entered", "release"):
+        for name in ("entered", "release", "tick"):
             (self.path / name).unlink(missing_ok=True)
         return self
 
@@ -172,6 +184,17 @@ class Gate:
 
     def release(self) -> None:
         (self.path / "release").touch()
+
+    async def tick_until(self, waiting: Awaitable[T]) -> T:
+        """Let a "tick" request run one step at a time until ``waiting`` is done (the
+        stage reads messages and answers between two steps)."""
+        future = asyncio.ensure_future(waiting)
+        tick = self.path / "tick"
+        while not future.done():
+            tick.touch()
+            await until(lambda: future.done() or not tick.exists())
+        tick.unlink(missing_ok=True)
+        return future.result()
 
 
 def stage_config(gate_dir: Path, **overrides: Any) -> EngineConfig:
@@ -331,27 +354,26 @@ def test_abort_ends_requests_and_batches_with_an_aborted_output(shared: Shared) 
 
     async def scenario() -> tuple[list[RequestOutput], RequestOutput]:
         with shared.gate as gate:
-            rid = await client.add_request("hold me", FAST)
+            rid = await client.add_request("tick me", LONG)
             await gate.entered()
             client.abort(rid)
-            await client.queue_length()  # answered after the stage applied the abort
-            gate.release()
+            # Answered after the stage applied the abort, between two steps.
+            await gate.tick_until(client.queue_length())
             single = [o async for o in client.stream(rid)]
         with shared.gate as gate:
             batch = asyncio.ensure_future(
-                client.add_batch_request(["hold", "b"], FAST, request_id="batch-1")
+                client.add_batch_request(["tick", "b"], LONG, request_id="batch-1")
             )
             await gate.entered()
             client.abort("batch-1", "enough")
-            await client.queue_length()
-            gate.release()
+            await gate.tick_until(client.queue_length())
             return single, await batch
 
     single, batch = shared.run(scenario())
     assert single[-1].status is S.FINISHED_ABORTED and single[-1].image_batch is None
     assert single[-1].error == "aborted by the caller"
     assert batch.status is S.FINISHED_ABORTED and batch.image_batch is None
-    assert batch.error == "prompt 0: enough; prompt 1: enough"
+    assert batch.error == "enough"
     assert shared.run(client.generate(["after"], FAST))[0].ok
 
 
@@ -363,6 +385,8 @@ def test_collective_rpc_calls_only_allow_listed_methods(shared: Shared) -> None:
     assert shared.run(client.collective_rpc("echo", [value])) == [value]
     assert shared.run(client.collective_rpc("device_name", unique_reply_rank=0)) == "cpu"
     assert shared.run(client.collective_rpc("pid", unique_reply_rank=0)) == client.pid
+    # The stage drives its core from its one thread (the uni worker runs on it too).
+    assert shared.run(client.collective_rpc("thread_names", unique_reply_rank=0)) == ["MainThread"]
     for method in ("execute_model", "release_requests", "shutdown", "_hidden", "__init__", "x"):
         with pytest.raises(RPCError, match="not on the stage's RPC allow-list"):
             shared.run(client.collective_rpc(method))
@@ -376,18 +400,21 @@ def test_collective_rpc_calls_only_allow_listed_methods(shared: Shared) -> None:
 def test_health_queue_length_and_admission_errors(shared: Shared) -> None:
     client = shared.client
 
-    async def queued_behind_a_held_step() -> tuple[int, list[RequestOutput]]:
+    async def queued_behind_a_running_request() -> tuple[int, list[RequestOutput]]:
+        small = attrs.evolve(FAST, height=8, width=8)  # cannot join the running request
         with shared.gate as gate:
-            held = await client.add_request("hold", FAST)
+            running = await client.add_request("tick", LONG)
             await gate.entered()
-            waiting = [await client.add_request(p, FAST) for p in ("x", "y")]
-            length = await client.queue_length()
-        finals = [await last_output(client, rid) for rid in [held, *waiting]]
+            waiting = await gate.tick_until(
+                asyncio.gather(*(client.add_request(p, small) for p in ("x", "y")))
+            )
+            length = await gate.tick_until(client.queue_length())
+        finals = [await last_output(client, rid) for rid in [running, *waiting]]
         return length, finals
 
     shared.run(client.check_health())
     assert shared.run(client.queue_length()) == 0
-    length, finals = shared.run(queued_behind_a_held_step())
+    length, finals = shared.run(queued_behind_a_running_request())
     assert length == 2 and all(o.ok for o in finals)
 
     with pytest.raises(InvalidFieldError) as bad_prompt:
@@ -411,6 +438,63 @@ def test_health_queue_length_and_admission_errors(shared: Shared) -> None:
     assert shared.run(read("dup"))[-1].ok
     with pytest.raises(KeyError):
         shared.run(read("dup"))
+
+
+def test_the_client_decides_ids_and_params_without_asking_the_stage(shared: Shared) -> None:
+    """While the stage is inside a step that waits for the gate, it answers nothing:
+    every refusal here comes from the client, the front."""
+    client = shared.client
+
+    async def scenario() -> list[RequestOutput]:
+        with shared.gate as gate:
+            rid = await client.add_request("hold", FAST, request_id="taken/0")
+            await gate.entered()
+            with pytest.raises(DuplicateRequestError, match="'taken/0' is in use"):
+                await client.add_request("x", FAST, request_id="taken/0")
+            with pytest.raises(DuplicateRequestError, match="'taken/0' is in use"):
+                await client.add_batch_request(["x"], FAST, request_id="taken")  # its prompt 0
+            with pytest.raises(InvalidFieldError, match="request_id"):
+                await client.add_request("x", FAST, request_id="")
+            with pytest.raises(InvalidFieldError, match="params"):
+                await client.add_request("x", {"seed": 1})  # type: ignore[arg-type]
+            with pytest.raises(InvalidFieldError, match="timeout"):
+                await client.collective_rpc("echo", [1], timeout=-1.0)
+            for front in (client, shared.engine):  # the same errors at call as in process
+                with pytest.raises(KeyError, match="no unclaimed output stream"):
+                    front.stream("unknown")
+            gate.release()
+        return [o async for o in client.stream(rid)]
+
+    assert shared.run(scenario())[-1].ok
+
+
+def test_a_batch_parent_lives_its_own_lifecycle(shared: Shared) -> None:
+    client = shared.client
+    events: list[TraceEvent] = []
+    client.batch_machine.subscribe(events.append)
+    try:
+        done = shared.run(client.add_batch_request(["cat", "owl"], FAST, request_id="p-ok"))
+        failed = shared.run(
+            client.add_batch_request(["cat", "bad-step", "owl"], FAST, request_id="p-bad")
+        )
+    finally:
+        client.batch_machine.unsubscribe(events.append)
+    assert done.ok and failed.status is S.FINISHED_ERROR and failed.image_batch is None
+    assert failed.error == "prompt 1: ValueError: injected step failure"
+    assert [
+        (e.request_id, e.trigger, e.dest, e.reason) for e in events if isinstance(e, LifecycleEvent)
+    ] == [
+        ("p-ok", ADMIT, S.WAITING, None),
+        ("p-ok", "schedule", S.RUNNING, None),
+        ("p-ok", "complete", S.FINISHED_COMPLETED, None),
+        ("p-bad", ADMIT, S.WAITING, None),
+        ("p-bad", "schedule", S.RUNNING, None),
+        ("p-bad", "fail", S.FINISHED_ERROR, failed.error),
+    ]
+    # Every prompt of the failed batch ended (the others were aborted) before its output came.
+    assert shared.run(client.queue_length()) == 0
+    shared.run(client.add_request("cat", FAST, request_id="p-bad/1"))  # its ids are free again
+    assert shared.run(last_output(client, "p-bad/1")).ok
 
 
 # -- the protocol on a raw socket --------------------------------------------------------
@@ -449,7 +533,13 @@ def test_bad_frames_never_kill_the_stage_and_sigterm_exits_143(tmp_path: Path) -
     }
 
     def add(request_id: str, **fields: Any) -> bytes:
-        body = {"type": "AddRequest", "request_id": request_id, "prompt": "p", "params": params}
+        body = {
+            "type": "AddRequest",
+            "request_id": request_id,
+            "prompt": "p",
+            "params": params,
+            "seed": 1,
+        }
         return msgspec.msgpack.encode({**body, **fields})
 
     try:
@@ -461,7 +551,7 @@ def test_bad_frames_never_kill_the_stage_and_sigterm_exits_143(tmp_path: Path) -
         for junk in (b"\xc1", b"", msgspec.msgpack.encode([1, 2]), encode(StatusQuery(0))[:-1]):
             requests.send(junk)
         # Nested deeper than any decoder goes (a one-element array, 3,000 times over).
-        too_deep = b"\x85" + add("too-deep")[1:] + msgspec.msgpack.encode("x") + b"\x91" * 3000
+        too_deep = b"\x86" + add("too-deep")[1:] + msgspec.msgpack.encode("x") + b"\x91" * 3000
         requests.send(too_deep + msgspec.msgpack.encode("p"))
         status_is_next(1)
 
@@ -499,6 +589,31 @@ def test_bad_frames_never_kill_the_stage_and_sigterm_exits_143(tmp_path: Path) -
         assert result.image.dtype == "float32" and result.image.shape == [1, 3, 16, 16]
         assert len(image) == 3 * 16 * 16 * 4
 
+        # The seed is the client's: the stage draws none of its own, and checks its range.
+        requests.send(add("seeded", params={**params, "seed": None}, seed=1234))
+        assert reply() == Admitted("seeded")
+        seeded = decode_from_stage(replies.recv_multipart()[0])
+        assert isinstance(seeded, Result) and seeded.seed == 1234
+        assert seeded.status is S.FINISHED_COMPLETED
+        requests.send(add("bad-seed", seed=-1))
+        bad_seed = reply()
+        assert isinstance(bad_seed, Error) and bad_seed.kind == "ProtocolError"
+        assert "$.seed" in bad_seed.message
+        # The core's duplicate check is the stage's only one: a batch is admitted whole or
+        # not at all (the child admitted before the refusal is aborted at once).
+        batch = {**msgspec.msgpack.decode(add("b")), "type": "AddBatchRequest"}
+        del batch["prompt"]
+        requests.send(
+            msgspec.msgpack.encode({**batch, "child_ids": ["d", "d"], "prompts": ["p", "q"]})
+        )
+        duplicate = reply()
+        assert isinstance(duplicate, Error) and duplicate.request_id == "b"
+        assert duplicate.kind == "DuplicateRequestError"
+        aborted = reply()
+        assert isinstance(aborted, Result) and aborted.request_id == "d"
+        assert aborted.status is S.FINISHED_ABORTED
+        status_is_next(4)
+
         os.kill(process.pid, signal.SIGTERM)
         assert reply() == StageDead("the stage was stopped by SIGTERM")
         process.join(30)
@@ -519,10 +634,12 @@ def test_a_device_fault_kills_the_stage_and_fails_every_pending_call(tmp_path: P
             with Gate(tmp_path) as gate:
                 first = await client.add_request("hold, then device-fault", FAST)
                 await gate.entered()
-                queued = await client.add_request("waits", FAST)
-            for rid in (first, queued):
-                with pytest.raises(EngineDeadError, match="injected device fault"):
-                    [o async for o in client.stream(rid)]
+                # Answered between steps: after the held step, which kills the core.
+                queued = asyncio.ensure_future(client.add_request("waits", FAST))
+            with pytest.raises(EngineDeadError, match="injected device fault"):
+                [o async for o in client.stream(first)]
+            with pytest.raises(EngineDeadError, match="injected device fault"):
+                await queued
             with pytest.raises(EngineDeadError, match="injected device fault"):
                 await client.check_health()
             with pytest.raises(EngineDeadError):

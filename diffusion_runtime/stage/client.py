@@ -1,17 +1,23 @@
-"""StageClient: a DiffusionEngine in a child process, driven from asyncio over ZMQ."""
+"""StageClient: the front of an EngineCore that runs in a child process, driven
+from asyncio over ZMQ.
+
+The client owns what callers see, once: request ids and seeds (a
+:class:`~diffusion_runtime.admission.RequestMinter`), the duplicate-id check,
+the validation of sampling params, output streams and batch parents. The
+stage process only validates prompts against its pipeline and runs the core.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import secrets
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from typing import Any
 
 import zmq
 
+from diffusion_runtime.admission import RequestMinter
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.errors import (
     DuplicateRequestError,
@@ -21,8 +27,11 @@ from diffusion_runtime.errors import (
     RPCError,
 )
 from diffusion_runtime.executor.mp.spec import portable_config
+from diffusion_runtime.executor.rpc_checks import checked_method, checked_timeout
+from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams, checked_params, prompts_and_params
+from diffusion_runtime.stage.batch import BatchRequest
 from diffusion_runtime.stage.codec import (
     error_from_msg,
     output_from_frames,
@@ -56,16 +65,16 @@ from diffusion_runtime.stage.messages import (
 )
 from diffusion_runtime.stage.proc import DEFAULT_MAX_FRAME_BYTES
 from diffusion_runtime.stage.process import DRAIN_S, StageProcess
-from diffusion_runtime.streams import AsyncStream, read_until_final
+from diffusion_runtime.streams import AsyncStream, OutputSink, claim_stream, read_stream
 from diffusion_runtime.validation import bounded_input
 
 logger = logging.getLogger(__name__)
 
 
 class StageClient:
-    """Runs a :class:`~diffusion_runtime.DiffusionEngine` in a child process and
-    serves its API from asyncio: the same calls, outputs and errors as the
-    in-process engine, with every call awaited.
+    """Runs an :class:`~diffusion_runtime.core.EngineCore` in a child process and
+    serves the engine's API from asyncio: the same calls, outputs and errors as
+    the in-process :class:`~diffusion_runtime.DiffusionEngine`, with every call awaited.
 
     Use it on one event loop, as ``async with StageClient(config) as client:``
     or ``await client.start()`` ... ``await client.shutdown()``. ``transport``
@@ -106,13 +115,17 @@ class StageClient:
         self._receiver: asyncio.Task[None] | None = None
         self._closed = False
         self._dead: EngineDeadError | None = None
-        self._id_prefix = secrets.token_hex(4)
-        self._ids = itertools.count()
+        self._minter = RequestMinter()
         self._call_ids = itertools.count()
-        #: Streams of requests whose final output has not arrived, by request id.
-        self._live: dict[str, AsyncStream] = {}
-        #: Streams nobody has called :meth:`stream` for yet.
+        #: Where the outputs of each request in the stage go until its final one:
+        #: its stream, or its batch's parent.
+        self._live: dict[str, OutputSink] = {}
+        #: Streams of :meth:`add_request` calls that :meth:`stream` has not claimed yet.
         self._unclaimed: dict[str, AsyncStream] = {}
+        #: Batch parents whose final output is not delivered yet.
+        self._batches: dict[str, BatchRequest] = {}
+        self._batch_machine: RequestMachine[BatchRequest] = RequestMachine()
+        self._batch_machine.add_hook(Hook.TERMINAL, self._abort_children)
         self._admissions: dict[str, asyncio.Future[None]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
 
@@ -182,6 +195,12 @@ class StageClient:
             else frozenset(stage.ready.rpc_methods)
         )
 
+    @property
+    def batch_machine(self) -> RequestMachine[BatchRequest]:
+        """The lifecycle machine of batch parents: ``batch_machine.subscribe(fn)``
+        receives each parent's transitions (their prompts' are in the stage)."""
+        return self._batch_machine
+
     # -- requests --------------------------------------------------------------------------
 
     async def add_request(
@@ -189,29 +208,35 @@ class StageClient:
     ) -> str:
         """Admit one request in the stage and return its id; read it with :meth:`stream`.
 
-        Raises what the engine's admission raises (``InvalidFieldError``,
-        ``DuplicateRequestError``, ``QueueFullError``) once the stage refuses it.
+        Ids, seeds and params are checked here; the stage checks the prompt
+        against its pipeline. Raises what the engine's admission raises
+        (``InvalidFieldError``, ``DuplicateRequestError``, ``QueueFullError``).
+        The stage answers between two steps of its core.
         """
-        request_id = self._new_id(request_id)
+        request_id = self._minter.request_id(request_id)
+        params = checked_params(params)
         bounded_input("request", "prompt", prompt)  # before encoding: no RecursionError
-        message = AddRequest(request_id, prompt, params_to_msg(checked_params(params)))
-        self._unclaimed[request_id] = await self._submit(request_id, message)
+        self._check_free([request_id])
+        message = AddRequest(request_id, prompt, params_to_msg(params), self._minter.seed(params))
+        stream = AsyncStream(asyncio.get_running_loop(), AsyncStream.wake)
+        self._unclaimed[request_id] = stream
+        try:
+            await self._submit(request_id, message, {request_id: stream})
+        except BaseException:
+            self._unclaimed.pop(request_id, None)
+            raise
         return request_id
 
-    async def stream(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
-        """Yield a request's outputs until its final one, as the engine's ``stream`` does.
+    def stream(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        """Yield a request's outputs until its final one, as ``DiffusionEngine.stream`` does.
 
-        Stopping early aborts the request; raises :class:`EngineDeadError` if the stage dies.
+        Raises ``KeyError`` at once for an id with no unclaimed stream and
+        ``RuntimeError`` on another event loop than the one that added it.
+        Stopping early aborts the request; iterating raises
+        :class:`EngineDeadError` if the stage dies.
         """
-        stream = self._unclaimed.pop(request_id, None)
-        if stream is None:
-            raise KeyError(f"no unclaimed output stream for request {request_id!r}")
-        outputs = read_until_final(
-            stream, lambda: self.abort(request_id, "the consumer stopped reading")
-        )
-        async with contextlib.aclosing(outputs):  # an early stop aborts now, not at GC
-            async for output in outputs:
-                yield output
+        stream = claim_stream(self._unclaimed, request_id)
+        return read_stream(stream, lambda: self._abort_for(request_id, stream))
 
     async def generate(
         self,
@@ -244,33 +269,76 @@ class StageClient:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> RequestOutput:
-        """Run several prompts as one request and return its one merged final output.
+        """Run several prompts as one request and return its one final output.
 
-        All prompts share ``params`` and one seed. The output completes only if
-        every prompt did, with all their images in prompt order; otherwise it
-        has no images, status ``FINISHED_ERROR`` if any prompt failed (else
-        ``FINISHED_ABORTED``), and an error naming each such prompt by index.
+        Each prompt is a request of its own in the stage (``<request_id>/<index>``),
+        all with ``params`` and one seed; the batch is their parent, with a
+        lifecycle of its own (see :mod:`diffusion_runtime.stage.batch`). It
+        completes when every prompt did, with all their images in prompt
+        order; the first prompt that fails (or is aborted) ends it, with an
+        error naming the prompt's index, and aborts the others.
         """
-        request_id = self._new_id(request_id)
-        bounded_input("request", "prompts", list(prompts))
-        message = AddBatchRequest(request_id, list(prompts), params_to_msg(checked_params(params)))
-        stream = await self._submit(request_id, message)
+        request_id = self._minter.request_id(request_id)
+        params = checked_params(params)
+        prompt_list = list(prompts)
+        if not prompt_list:
+            raise InvalidFieldError("request", "prompts", "must not be empty", prompt_list)
+        bounded_input("request", "prompts", prompt_list)
+        seed = self._minter.seed(params)
+        batch = BatchRequest(
+            request_id,
+            len(prompt_list),
+            seed,
+            self._batch_machine,
+            asyncio.get_running_loop().create_future(),
+        )
+        self._check_free([request_id, *batch.child_ids])
+        message = AddBatchRequest(
+            request_id, batch.child_ids, prompt_list, params_to_msg(params), seed
+        )
+        self._batches[request_id] = batch
+        batch.result.add_done_callback(lambda _: self._batches.pop(request_id, None))
         try:
-            return await stream.get()
+            await self._submit(request_id, message, dict.fromkeys(batch.child_ids, batch))
+        except BaseException as exc:
+            batch.fail(exc)
+            batch.result.exception()  # read: the caller gets ``exc`` from here
+            raise
+        try:
+            return await asyncio.shield(batch.result)
         except asyncio.CancelledError:
-            stream.close()
             self.abort(request_id, "the caller stopped waiting")
             raise
 
     def abort(
         self, request_ids: str | Iterable[str], reason: str = "aborted by the caller"
     ) -> None:
-        """Abort requests (or batch requests) in the stage; unknown or finished ids are ignored."""
-        stage = self._stage
-        if stage is None or self._closed or self._dead is not None:
-            return
+        """Abort requests or batch requests in the stage; unknown or finished ids are
+        ignored. Aborting a batch aborts each of its prompts."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        sent = asyncio.ensure_future(stage.requests.send(encode(Abort(ids, reason))))
+        others = []
+        for request_id in ids:
+            batch = self._batches.get(request_id)
+            if batch is None:
+                others.append(request_id)
+            else:  # its terminal hook aborts its prompts
+                batch.abort(reason)
+        self._send_abort(others, reason)
+
+    def _abort_for(self, request_id: str, stream: AsyncStream) -> None:
+        """A reader stopped early: abort the request, unless its id went to another."""
+        if self._live.get(request_id) is stream:
+            self._send_abort([request_id], "the consumer stopped reading")
+
+    def _abort_children(self, batch: BatchRequest, event: LifecycleEvent) -> None:
+        """The terminal hook of a batch parent: abort the prompts still running."""
+        self._send_abort(batch.live_child_ids, event.reason or "its batch ended")
+
+    def _send_abort(self, request_ids: list[str], reason: str) -> None:
+        stage = self._stage
+        if not request_ids or stage is None or self._closed or self._dead is not None:
+            return
+        sent = asyncio.ensure_future(stage.requests.send(encode(Abort(request_ids, reason))))
         sent.add_done_callback(_log_send_failure)
 
     # -- control ---------------------------------------------------------------------------
@@ -283,14 +351,22 @@ class StageClient:
         timeout: float | None = None,
         unique_reply_rank: int | None = None,
     ) -> Any:
-        """Call a worker method on the stage's allow-list (see :attr:`rpc_methods`);
-        arguments and reply cross as msgpack. Refusals and failures raise
-        :class:`RPCError` (or the error the method raised)."""
-        reply = await self._call(
+        """Call a worker method on the stage's allow-list (see :attr:`rpc_methods`)
+        between two steps of the stage's core; arguments and reply cross as
+        msgpack. Refusals and failures raise :class:`RPCError` (or the error the
+        method raised); so does a reply that takes more than ``timeout`` seconds,
+        waiting for a step included, as in ``DiffusionEngine.collective_rpc``."""
+        method = checked_method(method)
+        timeout = checked_timeout(timeout)
+        call = self._call(
             lambda call_id: CollectiveRPC(
                 call_id, method, list(args), kwargs or {}, timeout, unique_reply_rank
             )
         )
+        try:
+            reply = await asyncio.wait_for(call, timeout)
+        except TimeoutError:
+            raise RPCError(f"collective_rpc {method!r} timed out after {timeout} s") from None
         if not isinstance(reply, RPCResult):
             raise StageProtocolError(f"the stage answered an RPC with {type(reply).__name__}")
         return reply.value
@@ -317,20 +393,26 @@ class StageClient:
             raise RuntimeError("the StageClient is not started")
         return self._stage
 
-    def _new_id(self, request_id: str | None) -> str:
-        if request_id is None:
-            return f"{self._id_prefix}-{next(self._ids)}"
-        if not isinstance(request_id, str):
-            raise InvalidFieldError("request", "request_id", "must be a str", request_id)
-        return request_id
+    def _check_free(self, request_ids: list[str]) -> None:
+        """The one duplicate check: an id is taken from admission until its final
+        output is read (or, for a batch, delivered)."""
+        for request_id in request_ids:
+            if (
+                request_id in self._live
+                or request_id in self._unclaimed
+                or request_id in self._admissions
+                or request_id in self._batches
+            ):
+                raise DuplicateRequestError(
+                    f"request id {request_id!r} is in use: its final output has not been read yet"
+                )
 
-    async def _submit(self, request_id: str, message: AddRequest | AddBatchRequest) -> AsyncStream:
-        """Send an admission and wait for its answer; the request's output stream."""
+    async def _submit(
+        self, request_id: str, message: AddRequest | AddBatchRequest, sinks: dict[str, OutputSink]
+    ) -> None:
+        """Send an admission and wait for the stage's answer; ``sinks`` take the
+        outputs of the requests it admits, by id. A refusal raises its error."""
         stage = self._open_stage()
-        if request_id in self._live or request_id in self._unclaimed:
-            raise DuplicateRequestError(
-                f"request id {request_id!r} is in use: its final output has not been read yet"
-            )
         try:
             frame = encode(message)
         except TypeError as exc:
@@ -342,21 +424,19 @@ class StageClient:
             field = "prompt" if isinstance(message, AddRequest) else "prompts"
             rule = f"must encode to at most max_frame_bytes ({self._max_frame_bytes}) bytes"
             raise InvalidFieldError("request", field, rule, f"{len(frame)} bytes")
-        loop = asyncio.get_running_loop()
-        stream = AsyncStream(loop, AsyncStream.wake)
-        admitted: asyncio.Future[None] = loop.create_future()
-        self._live[request_id] = stream
+        admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = admitted
+        self._live.update(sinks)
         try:
             await stage.requests.send(frame)
             await admitted
         except BaseException as exc:
-            self._live.pop(request_id, None)
+            for sink_id in sinks:
+                self._live.pop(sink_id, None)
             self._admissions.pop(request_id, None)
             if isinstance(exc, asyncio.CancelledError):
-                self.abort(request_id, "the caller stopped waiting for admission")
+                self._send_abort(list(sinks), "the caller stopped waiting for admission")
             raise
-        return stream
 
     async def _final_output(self, request_id: str) -> RequestOutput:
         last = None
@@ -426,6 +506,9 @@ class StageClient:
         if isinstance(message, Result):
             self._on_result(message, frames[1:])
         elif isinstance(message, Admitted):
+            batch = self._batches.get(message.request_id)
+            if batch is not None:  # before any of its children's outputs is read
+                batch.start()
             self._resolve(self._admissions.pop(message.request_id, None), None, message)
         elif isinstance(message, (RPCResult, Status)):
             self._resolve(self._calls.pop(message.call_id, None), message, message)
@@ -444,26 +527,24 @@ class StageClient:
             future.set_result(value)
 
     def _on_result(self, result: Result, extra: list[zmq.Frame]) -> None:
-        stream = self._live.get(result.request_id)
-        if stream is None:
+        sink = self._live.get(result.request_id)
+        if sink is None:
             logger.debug("ignored a result for request %r", result.request_id)
             return
         try:
             output = output_from_frames(result, extra)
         except StageProtocolError as exc:
             del self._live[result.request_id]
-            stream.fail(exc)
+            sink.fail(exc)
             return
         if output.finished:
             del self._live[result.request_id]
-        stream.push(output)
+        sink.push(output)
 
     def _on_error(self, error: Error) -> None:
         future: asyncio.Future[Any] | None = None
         if error.request_id is not None:
             future = self._admissions.pop(error.request_id, None)
-            if future is not None:
-                self._live.pop(error.request_id, None)
         elif error.call_id is not None:
             future = self._calls.pop(error.call_id, None)
         if future is None:
@@ -481,8 +562,8 @@ class StageClient:
         for future in [*self._admissions.values(), *self._calls.values()]:
             if not future.done():
                 future.set_exception(error)
-        for stream in self._live.values():
-            stream.fail(error)
+        for sink in {id(sink): sink for sink in self._live.values()}.values():
+            sink.fail(error)
         self._admissions.clear()
         self._calls.clear()
         self._live.clear()

@@ -10,16 +10,17 @@ Client → stage (:data:`ToStage`): :class:`AddRequest`, :class:`AddBatchRequest
 :class:`Abort`, :class:`CollectiveRPC`, :class:`StatusQuery`, :class:`Shutdown`.
 Stage → client (:data:`FromStage`): :class:`Ready` or :class:`StartFailed` once,
 then :class:`Admitted`, :class:`Result`, :class:`Error`, :class:`RPCResult`,
-:class:`Status`, and :class:`StageDead` last if the engine dies.
+:class:`Status`, and :class:`StageDead` last if the core dies.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from diffusion_runtime.fsm import RequestStatus
+from diffusion_runtime.sampling_params import MAX_SEED
 
 
 class _Message(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
@@ -28,6 +29,10 @@ class _Message(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True
 
 class _Part(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Base of the untagged structs nested in messages."""
+
+
+#: A seed the client chose: in the range ``SamplingParams.seed`` allows.
+Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
 
 
 # -- nested parts ----------------------------------------------------------------------
@@ -75,17 +80,24 @@ class FieldErrorMsg(_Part, frozen=True):
 
 
 class AddRequest(_Message, frozen=True):
+    """One request; the client chose its id and its ``seed``."""
+
     request_id: str
     prompt: Any
     params: SamplingParamsMsg
+    seed: Seed
 
 
 class AddBatchRequest(_Message, frozen=True):
-    """Several prompts under one request id, answered by one merged :class:`Result`."""
+    """A batch's prompts, admitted all or none as requests ``child_ids`` (one per
+    prompt, all with ``params`` and ``seed``). :class:`Admitted` or :class:`Error`
+    names ``request_id``, the batch; each child's outputs come under its own id."""
 
     request_id: str
+    child_ids: list[str]
     prompts: list[Any]
     params: SamplingParamsMsg
+    seed: Seed
 
 
 class Abort(_Message, frozen=True):
@@ -117,7 +129,7 @@ ToStage = AddRequest | AddBatchRequest | Abort | CollectiveRPC | StatusQuery | S
 
 
 class Ready(_Message, frozen=True):
-    """The engine is built and warmed up; requests go to ``request_endpoint``."""
+    """The core is built and warmed up; requests go to ``request_endpoint``."""
 
     pid: int
     request_endpoint: str
@@ -125,13 +137,15 @@ class Ready(_Message, frozen=True):
 
 
 class StartFailed(_Message, frozen=True):
-    """The engine could not be built; the process exits right after."""
+    """The core could not be built; the process exits right after."""
 
     error: str
     traceback: str
 
 
 class Admitted(_Message, frozen=True):
+    """The core admitted the request (or every child of the batch) named ``request_id``."""
+
     request_id: str
 
 
@@ -176,7 +190,7 @@ class Status(_Message, frozen=True):
 
 
 class StageDead(_Message, frozen=True):
-    """The sentinel: the engine is dead, the stage exits; every pending call fails."""
+    """The sentinel: the core is dead, the stage exits; every pending call fails."""
 
     reason: str
 

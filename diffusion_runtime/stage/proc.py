@@ -1,47 +1,41 @@
-"""The stage process: a DiffusionEngine served over two ZMQ sockets.
+"""The stage process: an :class:`~diffusion_runtime.core.EngineCore` served over two
+ZMQ sockets by one loop on the process's only thread.
 
 The process connects a PUSH socket to the client's reply endpoint, builds the
-engine, binds a PULL socket for requests and says :class:`Ready` (or
-:class:`StartFailed`). It then serves until the client sends
-:class:`Shutdown` or its process goes away (exit code 0), or the engine dies
-(:data:`EXIT_DEAD`) or a signal arrives (``128 + signum``); in the last two
-cases it first sends :class:`StageDead`, so the client fails its pending
-calls at once.
+core (and runs its warm-up request), binds a PULL socket for requests and says
+:class:`Ready` (or :class:`StartFailed`). Then the loop serves: it waits on the
+request socket (and on signals and the parent process) only while the core has
+nothing to do, applies every message that has arrived, runs one core step and
+sends each output the step returned. Replies to admissions, status queries and
+RPCs are therefore sent between steps.
+
+The stage ends when the client sends :class:`Shutdown` or its process goes
+away (exit code 0), the core dies (:data:`EXIT_DEAD`) or a signal arrives
+(``128 + signum``); in the last two cases it first sends :class:`StageDead`,
+so the client fails its pending calls at once.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import functools
 import logging
 import multiprocessing
 import os
-import random
 import signal
+import socket
 import sys
+import time
 import traceback
 from types import FrameType
-from typing import Any
 
 import attrs
 import zmq
-import zmq.asyncio
 
 from diffusion_runtime.config import EngineConfig
-from diffusion_runtime.engine import DiffusionEngine
-from diffusion_runtime.errors import (
-    DuplicateRequestError,
-    EngineClosedError,
-    EngineDeadError,
-    InvalidFieldError,
-    RPCError,
-    describe_error,
-)
+from diffusion_runtime.core import EngineCore
+from diffusion_runtime.errors import EngineDeadError, InvalidFieldError, RPCError, describe_error
+from diffusion_runtime.executor.rpc_checks import checked_timeout
 from diffusion_runtime.outputs import RequestOutput
-from diffusion_runtime.sampling_params import MAX_SEED
 from diffusion_runtime.stage.allow_list import rpc_allow_list
-from diffusion_runtime.stage.batch import merge_batch
 from diffusion_runtime.stage.codec import error_to_msg, output_to_frames, params_from_msg
 from diffusion_runtime.stage.endpoints import (
     DEFAULT_MAX_REPLY_BYTES,
@@ -63,6 +57,7 @@ from diffusion_runtime.stage.messages import (
     StartFailed,
     Status,
     StatusQuery,
+    ToStage,
     decode_to_stage,
     encode,
     salvage_ids,
@@ -72,15 +67,16 @@ from diffusion_runtime.stage.security import CurveGuard, CurveIdentity, secure_s
 logger = logging.getLogger(__name__)
 
 EXIT_START_FAILED = 1
-#: The engine died (or the stage's own loop failed); :class:`StageDead` says why.
+#: The core died (or the stage's own loop failed); :class:`StageDead` says why.
 EXIT_DEAD = 2
 #: A signal ends the stage with ``128 + signum``, as a shell reports it.
 EXIT_SIGNAL_BASE = 128
-#: How often an idle stage checks its engine (a request in flight notices at once).
+#: How often an idle stage checks its executor (a step notices a dead one at once).
 HEALTH_INTERVAL_S = 0.25
 #: How long the last messages (StageDead, StartFailed) may wait for the client.
 FINAL_LINGER_MS = 2_000
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+WARMUP_REQUEST_ID = "stage-warmup"
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -108,7 +104,7 @@ def run_stage(spec: StageSpec) -> None:
     for signum in _SIGNALS:
         signal.signal(signum, _exit_on_signal)
     try:
-        code = asyncio.run(StageProc(spec).run())
+        code = StageProc(spec).run()
     finally:  # an orphaned stage removes its dead client's socket directory
         remove_orphaned_socket_dir(spec.request_address)
     sys.exit(code)
@@ -118,38 +114,47 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(EXIT_SIGNAL_BASE + signum)
 
 
-class StageProc:
-    """Serves one engine to one client. Every task, socket and thread it starts
-    ends before :meth:`run` returns."""
+def warm_up(core: EngineCore) -> None:
+    """Run the pipeline's warm-up request to its end, as ``DiffusionEngine.make_engine`` does."""
+    warmup = core.collective_rpc("warmup_request", unique_reply_rank=0)
+    if warmup is None:
+        return
+    prompt, params = warmup
+    core.validate(prompt, params)
+    core.add_request(WARMUP_REQUEST_ID, prompt, params, params.seed or 0)
+    while core.has_unfinished():
+        for output in core.step():
+            if output.finished and not output.ok:
+                raise RuntimeError(f"the warm-up request failed: {output.error}")
 
-    _ctx: zmq.asyncio.Context
-    _replies: zmq.asyncio.Socket
-    _requests: zmq.asyncio.Socket
+
+class StageProc:
+    """Serves one core to one client. Every socket and file it opens is closed
+    before :meth:`run` returns. It starts no thread of its own (over TCP, the
+    CURVE guard runs ZMQ's authenticator thread until the stage ends)."""
 
     def __init__(self, spec: StageSpec) -> None:
         self._spec = spec
-        self._engine: DiffusionEngine | None = None
+        self._core: EngineCore | None = None
         self._allowed: frozenset[str] = frozenset()
-        self._rpc_pool: concurrent.futures.ThreadPoolExecutor | None = None
-        #: Requests and batches by client id, each relayed by one task.
-        self._relays: dict[str, asyncio.Task[None]] = {}
-        self._batches: dict[str, list[str]] = {}
-        #: RPC calls and the streams of half-admitted batches.
-        self._background: set[asyncio.Task[Any]] = set()
-        self._done: asyncio.Future[int] | None = None
+        self._ctx = zmq.Context()
+        self._replies = self._ctx.socket(zmq.PUSH)
+        self._requests = self._ctx.socket(zmq.PULL)
+        self._exit_code: int | None = None
         self._dead_reason: str | None = None
+        self._signalled: int | None = None
+        #: A message read during a step that waits for the step to end (and so
+        #: does everything after it, to keep the client's order).
+        self._deferred: ToStage | None = None
         self._guard: CurveGuard | None = None
 
     @property
-    def engine(self) -> DiffusionEngine:
-        assert self._engine is not None, "the engine is built before serving starts"
-        return self._engine
+    def core(self) -> EngineCore:
+        assert self._core is not None, "the core is built before serving starts"
+        return self._core
 
-    async def run(self) -> int:
+    def run(self) -> int:
         """Start, serve, and return the exit code."""
-        self._ctx = zmq.asyncio.Context()
-        self._replies = self._ctx.socket(zmq.PUSH)
-        self._requests = self._ctx.socket(zmq.PULL)
         try:
             spec = self._spec
             self._guard = secure_sockets(
@@ -157,67 +162,104 @@ class StageProc:
             )
             self._replies.connect(self._spec.reply_endpoint)
             try:
-                self._engine = DiffusionEngine.make_engine(self._spec.config)
+                self._core = EngineCore(self._spec.config)
+                if self._spec.config.warmup:
+                    warm_up(self._core)
                 self._allowed = rpc_allow_list(self._spec.config)
                 endpoint = bind(self._requests, self._spec.request_address)
             except Exception as exc:
                 logger.exception("the stage failed to start")
                 tb = "".join(traceback.format_exception(exc))
-                await self._send(StartFailed(describe_error(exc), tb))
+                self._send(StartFailed(describe_error(exc), tb))
                 return EXIT_START_FAILED
-            self._rpc_pool = concurrent.futures.ThreadPoolExecutor(1, "diffusion-stage-rpc")
-            await self._send(Ready(os.getpid(), endpoint, sorted(self._allowed)))
-            return await self._serve()
+            self._send(Ready(os.getpid(), endpoint, sorted(self._allowed)))
+            return self._serve()
         finally:
             self._close()
 
     def _close(self) -> None:
-        if self._rpc_pool is not None:
-            self._rpc_pool.shutdown(wait=False, cancel_futures=True)
-        if self._engine is not None:
-            self._engine.close()
-        self._requests.close(linger=0)
-        self._replies.close(linger=FINAL_LINGER_MS)
-        if self._guard is not None:
-            self._guard.close()
-        self._ctx.term()
+        try:
+            if self._core is not None:
+                self._core.shutdown("the stage stopped")
+        finally:
+            self._requests.close(linger=0)
+            self._replies.close(linger=FINAL_LINGER_MS)
+            if self._guard is not None:
+                self._guard.close()
+            self._ctx.term()
 
-    # -- serving -------------------------------------------------------------------------
+    # -- the loop ------------------------------------------------------------------------
 
-    async def _serve(self) -> int:
-        loop = asyncio.get_running_loop()
-        self._done = loop.create_future()
+    def _serve(self) -> int:
+        # A signal writes to this socket pair, so a wait on the poller ends at once.
+        wake_read, wake_write = socket.socketpair()
+        wake_read.setblocking(False)
+        wake_write.setblocking(False)
+        previous_wakeup_fd = signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
         for signum in _SIGNALS:
-            loop.add_signal_handler(signum, self._on_signal, signum)
+            signal.signal(signum, self._on_signal)
+        poller = zmq.Poller()
+        poller.register(self._requests, zmq.POLLIN)
+        poller.register(wake_read, zmq.POLLIN)
         parent = multiprocessing.parent_process()
         if parent is not None:
-            loop.add_reader(parent.sentinel, self._on_orphaned)
-        tasks = [
-            asyncio.create_task(self._receive(), name="receive"),
-            asyncio.create_task(self._watch_health(), name="health"),
-        ]
-        for task in tasks:
-            task.add_done_callback(self._on_loop_task_end)
+            poller.register(parent.sentinel, zmq.POLLIN)
         try:
-            code = await self._done
+            while self._exit_code is None:
+                ready = dict(poller.poll(self._wait_ms()))
+                if wake_read in ready:
+                    _drain_socket(wake_read)
+                if parent is not None and parent.sentinel in ready:
+                    logger.warning("the client process is gone; the stage stops")
+                    self._finish(0)
+                self._serve_once(idle=not ready)
         finally:
             for signum in _SIGNALS:
-                loop.remove_signal_handler(signum)  # restores the default handler
                 signal.signal(signum, _exit_on_signal)
-            if parent is not None:
-                loop.remove_reader(parent.sentinel)
-            everything = [*tasks, *self._relays.values(), *self._background]
-            for task in everything:
-                task.remove_done_callback(self._on_loop_task_end)
-                task.cancel()
-            await asyncio.gather(*everything, return_exceptions=True)
+            signal.set_wakeup_fd(previous_wakeup_fd)
+            wake_read.close()
+            wake_write.close()
         if self._dead_reason is not None:
-            await self._send(StageDead(self._dead_reason))
-        return code
+            self._send(StageDead(self._dead_reason))
+        assert self._exit_code is not None
+        return self._exit_code
+
+    def _wait_ms(self) -> int:
+        """How long the loop may wait for a message: not at all while the core has
+        work, until the scheduler's wake-up while it fills a wave, else a health interval."""
+        core = self.core
+        if self._signalled is not None or self._deferred is not None:
+            return 0
+        if core.has_unfinished():
+            wake_at = core.next_wakeup()
+            if core.last_step_executed or wake_at is None:
+                return 0
+            return int(max(0.0, min(HEALTH_INTERVAL_S, wake_at - time.monotonic())) * 1000)
+        return int(HEALTH_INTERVAL_S * 1000)
+
+    def _serve_once(self, idle: bool) -> None:
+        if self._signalled is not None:
+            name = signal.Signals(self._signalled).name
+            self._fail(f"the stage was stopped by {name}", EXIT_SIGNAL_BASE + self._signalled)
+            return
+        try:
+            self._take_messages()
+            if self._exit_code is not None:
+                return
+            if self.core.has_unfinished():
+                for output in self.core.step(self._take_late_aborts):
+                    self._send_output(output)
+            elif idle:  # notice a dead executor while no step runs to report it
+                self.core.executor.check_health()
+        except EngineDeadError as exc:
+            self._fail(str(exc))
+        except Exception as exc:
+            logger.exception("the stage's loop failed")
+            self._fail(f"the stage's loop failed: {describe_error(exc)}")
 
     def _finish(self, code: int) -> None:
-        if self._done is not None and not self._done.done():
-            self._done.set_result(code)
+        if self._exit_code is None:
+            self._exit_code = code
 
     def _fail(self, reason: str, code: int = EXIT_DEAD) -> None:
         """The stage cannot serve any more: tell the client why, then exit with ``code``."""
@@ -226,219 +268,189 @@ class StageProc:
             self._dead_reason = reason
         self._finish(code)
 
-    def _on_signal(self, signum: int) -> None:
-        name = signal.Signals(signum).name
-        self._fail(f"the stage was stopped by {name}", EXIT_SIGNAL_BASE + signum)
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signalled = signum  # the loop acts on it once the current step ends
 
-    def _on_orphaned(self) -> None:
-        logger.warning("the client process is gone; the stage stops")
-        self._finish(0)
+    def _send(self, message: FromStage, payload: memoryview | None = None) -> None:
+        frames: list[bytes | memoryview] = [encode(message)]
+        if payload is not None:
+            frames.append(payload)
+        self._replies.send_multipart(frames, copy=False)
 
-    def _on_loop_task_end(self, task: asyncio.Task[Any]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            self._fail(f"the stage's {task.get_name()} loop failed: {task.exception()!r}")
+    def _send_output(self, output: RequestOutput) -> None:
+        result, payload = output_to_frames(output, self._spec.max_reply_bytes)
+        self._send(result, payload)
 
-    async def _watch_health(self) -> None:
-        """Notice a dead executor while no request is in flight to report it."""
-        while True:
-            await asyncio.sleep(HEALTH_INTERVAL_S)
-            try:
-                self.engine.check_health()
-            except EngineDeadError as exc:
-                self._fail(str(exc))
+    # -- messages from the client ----------------------------------------------------------
+
+    def _take_messages(self) -> None:
+        """Apply the message deferred by the last step, then every message that has arrived."""
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            self._apply(deferred)
+        while self._exit_code is None:
+            message = self._receive()
+            if message is None:
                 return
+            self._apply(message)
 
-    async def _send(self, message: FromStage, payload: memoryview | None = None) -> None:
-        frames = [encode(message)] if payload is None else [encode(message), payload]
-        await self._replies.send_multipart(frames, copy=False)
+    def _take_late_aborts(self) -> None:
+        """Inside a step, once its wave ran: aborts that arrived meanwhile apply now
+        and win over the wave's results. The first other message waits for the
+        step to end."""
+        while self._deferred is None:
+            message = self._receive()
+            if message is None:
+                return
+            if isinstance(message, Abort):
+                self.core.abort(message.request_ids, message.reason)
+            else:
+                self._deferred = message
 
-    # -- requests from the client ----------------------------------------------------------
-
-    async def _receive(self) -> None:
+    def _receive(self) -> ToStage | None:
+        """The next readable message, or None when none has arrived; unreadable ones
+        are refused (or dropped) here."""
         while True:
-            frames = await self._requests.recv_multipart(copy=False)
             try:
-                await self._handle(frames)
-            except Exception:
-                logger.exception("handling a client message failed")
+                frames = self._requests.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            message = self._read(frames)
+            if message is not None:
+                return message
 
-    async def _handle(self, frames: list[zmq.Frame]) -> None:
+    def _read(self, frames: list[zmq.Frame]) -> ToStage | None:
         size = sum(len(frame) for frame in frames)
         if size > self._spec.max_frame_bytes:
             logger.warning("dropped a %d-byte message (limit %d)", size, self._spec.max_frame_bytes)
-            return
+            return None
         header = frames[0].buffer
         try:
             message = decode_to_stage(header)
         except Exception as exc:  # any decode failure: malformed, too deep, too large
-            await self._refuse(header, f"unreadable message: {exc}")
-            return
+            self._refuse(header, f"unreadable message: {exc}")
+            return None
         if len(frames) > 1:
-            await self._refuse(header, f"a request is one frame; got {len(frames)}")
-            return
-        if isinstance(message, AddRequest):
-            await self._add_request(message)
-        elif isinstance(message, AddBatchRequest):
-            await self._add_batch(message)
-        elif isinstance(message, Abort):
-            for request_id in message.request_ids:
-                self.engine.abort(self._batches.get(request_id, request_id), message.reason)
-        elif isinstance(message, CollectiveRPC):
-            await self._collective_rpc(message)
-        elif isinstance(message, StatusQuery):
-            await self._status(message)
-        elif isinstance(message, Shutdown):
-            self._finish(0)
+            self._refuse(header, f"a request is one frame; got {len(frames)}")
+            return None
+        return message
 
-    async def _refuse(self, header: memoryview, reason: str) -> None:
+    def _refuse(self, header: memoryview, reason: str) -> None:
         request_id, call_id = salvage_ids(header)
         if request_id is None and call_id is None:
             logger.warning("dropped a message: %s", reason)
             return
-        await self._send(error_to_msg(StageProtocolError(reason), request_id, call_id))
+        self._send(error_to_msg(StageProtocolError(reason), request_id, call_id))
 
-    async def _reply_error(
-        self, exc: Exception, request_id: str | None = None, call_id: int | None = None
-    ) -> None:
-        await self._send(error_to_msg(exc, request_id, call_id))
-        if isinstance(exc, EngineDeadError):
-            self._fail(str(exc))
+    def _apply(self, message: ToStage) -> None:
+        if isinstance(message, AddRequest):
+            self._add_request(message)
+        elif isinstance(message, AddBatchRequest):
+            self._add_batch(message)
+        elif isinstance(message, Abort):
+            self.core.abort(message.request_ids, message.reason)
+        elif isinstance(message, CollectiveRPC):
+            self._collective_rpc(message)
+        elif isinstance(message, StatusQuery):
+            self._status(message)
+        elif isinstance(message, Shutdown):
+            self._finish(0)
 
-    def _check_new_id(self, request_id: str) -> None:
-        if request_id in self._relays:
-            raise DuplicateRequestError(f"request id {request_id!r} is in use")
-
-    async def _add_request(self, message: AddRequest) -> None:
-        request_id = message.request_id
+    def _add_request(self, message: AddRequest) -> None:
+        core = self.core
         try:
-            self._check_new_id(request_id)
             params = params_from_msg(message.params)
-            await self.engine.add_request(message.prompt, params, request_id)
+            core.validate(message.prompt, params)
+            core.add_request(message.request_id, message.prompt, params, message.seed)
+        except EngineDeadError:
+            raise
         except Exception as exc:
-            await self._reply_error(exc, request_id=request_id)
+            self._send(error_to_msg(exc, request_id=message.request_id))
             return
-        await self._send(Admitted(request_id))
-        self._relays[request_id] = asyncio.create_task(self._relay(request_id))
+        self._send(Admitted(message.request_id))
 
-    async def _relay(self, request_id: str) -> None:
-        """Send each output of one request as it comes."""
+    def _add_batch(self, message: AddBatchRequest) -> None:
+        """Admit every child of the batch, or none."""
+        core = self.core
+        admitted: list[str] = []
         try:
-            async for output in self.engine.stream(request_id):
-                result, payload = output_to_frames(output, self._spec.max_reply_bytes)
-                await self._send(result, payload)
-        except EngineDeadError as exc:
-            self._fail(str(exc))
-        finally:
-            self._relays.pop(request_id, None)
-
-    async def _add_batch(self, message: AddBatchRequest) -> None:
-        batch_id = message.request_id
-        finals: list[asyncio.Task[RequestOutput]] = []
-        try:
-            self._check_new_id(batch_id)
             if not message.prompts:
                 raise InvalidFieldError("AddBatchRequest", "prompts", "must not be empty", [])
+            if len(message.child_ids) != len(message.prompts):
+                raise InvalidFieldError(
+                    "AddBatchRequest",
+                    "child_ids",
+                    "must name one request per prompt",
+                    len(message.child_ids),
+                )
             params = params_from_msg(message.params)
-            if params.seed is None:  # one seed for the batch, so its output reports it
-                params = attrs.evolve(params, seed=random.randint(0, MAX_SEED))
-            for index, prompt in enumerate(message.prompts):
-                sub_id = _sub_request_id(batch_id, index)
-                await self.engine.add_request(prompt, params, sub_id)
-                finals.append(asyncio.create_task(self._final_output(sub_id)))
+            for prompt in message.prompts:
+                core.validate(prompt, params)
+            for child_id, prompt in zip(message.child_ids, message.prompts, strict=True):
+                core.add_request(child_id, prompt, params, message.seed)
+                admitted.append(child_id)
+        except EngineDeadError:
+            raise
         except Exception as exc:
-            if finals:  # abort the prompts admitted so far; their streams drain unseen
-                self.engine.abort([_sub_request_id(batch_id, i) for i in range(len(finals))])
-                for task in finals:
-                    self._keep(task)
-            await self._reply_error(exc, request_id=batch_id)
+            core.abort(admitted, "its batch was refused")
+            self._send(error_to_msg(exc, request_id=message.request_id))
             return
-        await self._send(Admitted(batch_id))
-        self._batches[batch_id] = [_sub_request_id(batch_id, i) for i in range(len(finals))]
-        self._relays[batch_id] = asyncio.create_task(self._relay_batch(batch_id, finals))
-
-    async def _final_output(self, request_id: str) -> RequestOutput:
-        last = None
-        async for output in self.engine.stream(request_id):
-            last = output
-        assert last is not None and last.finished
-        return last
-
-    async def _relay_batch(self, batch_id: str, finals: list[asyncio.Task[RequestOutput]]) -> None:
-        try:
-            outputs = await asyncio.gather(*finals)
-            result, payload = output_to_frames(
-                merge_batch(batch_id, outputs), self._spec.max_reply_bytes
-            )
-            await self._send(result, payload)
-        except EngineDeadError as exc:
-            self._fail(str(exc))
-        finally:
-            for task in finals:
-                task.cancel()
-            self._relays.pop(batch_id, None)
-            self._batches.pop(batch_id, None)
+        self._send(Admitted(message.request_id))
 
     # -- control ---------------------------------------------------------------------------
 
-    async def _collective_rpc(self, message: CollectiveRPC) -> None:
+    def _collective_rpc(self, message: CollectiveRPC) -> None:
+        """Run an allow-listed worker method between two steps and send its reply."""
+        call_id = message.call_id
         if message.method not in self._allowed:
             refusal = RPCError(
                 f"method {message.method!r} is not on the stage's RPC allow-list: "
                 f"{sorted(self._allowed)}"
             )
-            await self._reply_error(refusal, call_id=message.call_id)
+            self._send(error_to_msg(refusal, call_id=call_id))
             return
-        self._keep(asyncio.create_task(self._run_rpc(message)))
-
-    async def _run_rpc(self, message: CollectiveRPC) -> None:
-        call = functools.partial(
-            self.engine.collective_rpc,
-            message.method,
-            tuple(message.args),
-            message.kwargs,
-            message.timeout,
-            message.unique_reply_rank,
-        )
         try:
-            value = await asyncio.get_running_loop().run_in_executor(self._rpc_pool, call)
+            value = self.core.collective_rpc(
+                message.method,
+                tuple(message.args),
+                message.kwargs,
+                checked_timeout(message.timeout),
+                message.unique_reply_rank,
+            )
         except Exception as exc:
-            await self._reply_error(exc, call_id=message.call_id)
+            self._send(error_to_msg(exc, call_id=call_id))
+            if isinstance(exc, EngineDeadError):
+                raise
             return
         try:
-            frame = encode(RPCResult(message.call_id, value))
+            frame = encode(RPCResult(call_id, value))
         except TypeError as exc:
             refusal = RPCError(f"the reply of {message.method!r} cannot cross as msgpack: {exc}")
-            await self._reply_error(refusal, call_id=message.call_id)
+            self._send(error_to_msg(refusal, call_id=call_id))
             return
         if len(frame) > self._spec.max_reply_bytes:  # the client would drop this connection
             refusal = RPCError(
                 f"the reply of {message.method!r} is {len(frame)} bytes, over the client's "
                 f"max_reply_bytes ({self._spec.max_reply_bytes})"
             )
-            await self._reply_error(refusal, call_id=message.call_id)
+            self._send(error_to_msg(refusal, call_id=call_id))
             return
-        await self._replies.send(frame)
+        self._replies.send(frame)
 
-    async def _status(self, message: StatusQuery) -> None:
+    def _status(self, message: StatusQuery) -> None:
         error = None
         try:
-            self.engine.check_health()
-        except (EngineDeadError, EngineClosedError) as exc:
+            self.core.executor.check_health()
+        except EngineDeadError as exc:
             error = str(exc)
-        await self._send(Status(message.call_id, error is None, error, self.engine.queue_length))
+        self._send(Status(message.call_id, error is None, error, self.core.scheduler.num_waiting))
         if error is not None:
             self._fail(error)
 
-    def _keep(self, task: asyncio.Task[Any]) -> None:
-        """Hold a background task until it ends (or the stage cancels it)."""
-        self._background.add(task)
-        task.add_done_callback(self._forget)
 
-    def _forget(self, task: asyncio.Task[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.warning("a background task failed: %r", task.exception())
-
-
-def _sub_request_id(batch_id: str, index: int) -> str:
-    return f"{batch_id}/{index}"
+def _drain_socket(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except BlockingIOError:
+        pass
