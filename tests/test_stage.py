@@ -8,6 +8,7 @@ share one stage (module scope); each failure check gets a stage of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -17,6 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -160,6 +162,15 @@ async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
         await asyncio.sleep(0.005)
 
 
+def open_descriptors() -> set[str]:
+    """What this process's open file descriptors point at."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone
+            found.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return found
+
+
 def stage_dirs() -> set[str]:
     """This process's socket directories (named by their owner's pid)."""
     return {p.name for p in Path(tempfile.gettempdir()).glob(f"diffusion-stage-{os.getpid()}-*")}
@@ -294,6 +305,12 @@ def test_requests_and_batches_match_the_in_process_engine(shared: Shared) -> Non
     assert [o.ok for o in outputs] == [True, True, True, False, True]
     assert outputs[3].error == "ValueError: injected step failure"
     assert outputs[1].image_batch is not None and outputs[1].image_batch.shape == (2, 3, 16, 16)
+    # One params for all: the prompts cross in one message, admitted all or none.
+    together = shared.run(client.generate(["cat", "dog", 7], FAST))
+    same_outputs(together, engine.generate(["cat", "dog", 7], FAST))
+    with pytest.raises(InvalidFieldError) as refused:
+        shared.run(client.generate(["cat", 3.5], FAST))
+    assert refused.value.field == "prompt" and shared.run(client.queue_length()) == 0
 
     batch_params = SamplingParams(num_inference_steps=3, seed=5, height=24, width=20)
     batch = shared.run(client.add_batch_request(["cat", 7, "owl"], batch_params))
@@ -601,8 +618,8 @@ def test_bad_frames_never_kill_the_stage_and_sigterm_exits_143(tmp_path: Path) -
         assert "$.seed" in bad_seed.message
         # The core's duplicate check is the stage's only one: a batch is admitted whole or
         # not at all (the child admitted before the refusal is aborted at once).
-        batch = {**msgspec.msgpack.decode(add("b")), "type": "AddBatchRequest"}
-        del batch["prompt"]
+        batch = {**msgspec.msgpack.decode(add("b")), "type": "AddRequests", "seeds": [1, 2]}
+        del batch["prompt"], batch["seed"]
         requests.send(
             msgspec.msgpack.encode({**batch, "child_ids": ["d", "d"], "prompts": ["p", "q"]})
         )
@@ -731,7 +748,11 @@ def test_shutdown_is_idempotent_and_fails_what_is_pending(tmp_path: Path) -> Non
             await client.add_request("after", FAST)
         client.abort(held)  # a no-op once shut down
 
+    resource_tracker.ensure_running()  # multiprocessing's own, for the life of this process
+    descriptors = open_descriptors()
     asyncio.run(scenario())
+    gc.collect()
+    assert open_descriptors() <= descriptors  # sockets, pipes, the ZMQ context's too
 
 
 def test_a_client_dropped_without_shutdown_takes_its_stage_down(tmp_path: Path) -> None:

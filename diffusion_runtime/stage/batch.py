@@ -47,7 +47,8 @@ def child_request_id(batch_id: str, index: int) -> str:
 
 
 class BatchRequest(RequestLifecycle):
-    """A batch request's parent, and the output sink of all its children.
+    """A batch request's parent, and the output sink of all its children
+    (``child_ids``, in prompt order). Created admitted, in ``WAITING``.
 
     ``result`` resolves to the parent's one final output, or to the error that
     ended the stage or the client.
@@ -58,19 +59,19 @@ class BatchRequest(RequestLifecycle):
     def __init__(
         self,
         request_id: str,
-        num_prompts: int,
+        child_ids: list[str],
         seed: int,
         machine: RequestMachine[BatchRequest],
         result: asyncio.Future[RequestOutput],
     ) -> None:
         super().__init__(request_id)
-        self.child_ids = [child_request_id(request_id, i) for i in range(num_prompts)]
+        self.child_ids = child_ids
         self.seed = seed
         self.result = result
         self.reason: str | None = None
         self._machine = machine
-        self._index = {child_id: i for i, child_id in enumerate(self.child_ids)}
-        self._finals: list[RequestOutput | None] = [None] * num_prompts
+        self._index = {child_id: i for i, child_id in enumerate(child_ids)}
+        self._finals: list[RequestOutput | None] = [None] * len(child_ids)
         self._ended = 0
         machine.admit(self)
 

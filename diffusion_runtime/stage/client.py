@@ -31,7 +31,7 @@ from diffusion_runtime.executor.rpc_checks import checked_method, checked_timeou
 from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams, checked_params, prompts_and_params
-from diffusion_runtime.stage.batch import BatchRequest
+from diffusion_runtime.stage.batch import BatchRequest, child_request_id
 from diffusion_runtime.stage.codec import (
     error_from_msg,
     output_from_frames,
@@ -47,8 +47,8 @@ from diffusion_runtime.stage.endpoints import (
 from diffusion_runtime.stage.errors import StageProtocolError
 from diffusion_runtime.stage.messages import (
     Abort,
-    AddBatchRequest,
     AddRequest,
+    AddRequests,
     Admitted,
     CollectiveRPC,
     Error,
@@ -247,11 +247,39 @@ class StageClient:
 
         ``params`` is one :class:`SamplingParams` for all or one per prompt. A
         failed request yields an output saying why; admission errors raise
-        (after aborting the prompts already admitted).
+        (after aborting the prompts already admitted). With one params for
+        all, the prompts cross in one message and are admitted together (all
+        or none), as the in-process ``generate`` admits them.
         """
         prompt_list, params_list = prompts_and_params(prompts, params)
+        if len(prompt_list) > 1 and all(p is params_list[0] for p in params_list):
+            ids = await self._add_together(prompt_list, params_list[0])
+        else:
+            ids = await self._add_each(prompt_list, params_list)
+        return list(await asyncio.gather(*(self._final_output(rid) for rid in ids)))
+
+    async def _add_together(self, prompts: list[Any], params: SamplingParams | None) -> list[str]:
+        """Admit one request per prompt, all with ``params``, in one message."""
+        params = checked_params(params)
+        ids = [self._minter.request_id() for _ in prompts]
+        self._check_free(ids)
+        seeds = [self._minter.seed(params) for _ in prompts]
+        message = AddRequests(ids[0], ids, prompts, params_to_msg(params), seeds)
+        loop = asyncio.get_running_loop()
+        streams = {request_id: AsyncStream(loop, AsyncStream.wake) for request_id in ids}
+        self._unclaimed.update(streams)
+        try:
+            await self._submit(ids[0], message, dict(streams))
+        except BaseException:
+            for request_id in ids:
+                self._unclaimed.pop(request_id, None)
+            raise
+        return ids
+
+    async def _add_each(self, prompts: list[Any], params: list[SamplingParams | None]) -> list[str]:
+        """Admit one request per prompt, one message each."""
         added = await asyncio.gather(
-            *(self.add_request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)),
+            *(self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)),
             return_exceptions=True,
         )
         ids = [rid for rid in added if isinstance(rid, str)]
@@ -261,7 +289,7 @@ class StageClient:
             for request_id in ids:
                 self._unclaimed.pop(request_id).close()
             raise failure
-        return list(await asyncio.gather(*(self._final_output(rid) for rid in ids)))
+        return ids
 
     async def add_batch_request(
         self,
@@ -284,25 +312,25 @@ class StageClient:
         if not prompt_list:
             raise InvalidFieldError("request", "prompts", "must not be empty", prompt_list)
         bounded_input("request", "prompts", prompt_list)
+        child_ids = [child_request_id(request_id, i) for i in range(len(prompt_list))]
+        self._check_free([request_id, *child_ids])
         seed = self._minter.seed(params)
-        batch = BatchRequest(
-            request_id,
-            len(prompt_list),
-            seed,
-            self._batch_machine,
-            asyncio.get_running_loop().create_future(),
+        message = AddRequests(
+            request_id, child_ids, prompt_list, params_to_msg(params), [seed] * len(child_ids)
         )
-        self._check_free([request_id, *batch.child_ids])
-        message = AddBatchRequest(
-            request_id, batch.child_ids, prompt_list, params_to_msg(params), seed
-        )
+        result: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
+        batch = BatchRequest(request_id, child_ids, seed, self._batch_machine, result)
         self._batches[request_id] = batch
-        batch.result.add_done_callback(lambda _: self._batches.pop(request_id, None))
+        result.add_done_callback(lambda _: self._batches.pop(request_id, None))
         try:
-            await self._submit(request_id, message, dict.fromkeys(batch.child_ids, batch))
+            await self._submit(request_id, message, dict.fromkeys(child_ids, batch))
+        except asyncio.CancelledError:
+            batch.abort("the caller stopped waiting for admission")
+            result.cancel()
+            raise
         except BaseException as exc:
             batch.fail(exc)
-            batch.result.exception()  # read: the caller gets ``exc`` from here
+            result.exception()  # read: the caller gets ``exc`` from here
             raise
         try:
             return await asyncio.shield(batch.result)
@@ -408,7 +436,7 @@ class StageClient:
                 )
 
     async def _submit(
-        self, request_id: str, message: AddRequest | AddBatchRequest, sinks: dict[str, OutputSink]
+        self, request_id: str, message: AddRequest | AddRequests, sinks: dict[str, OutputSink]
     ) -> None:
         """Send an admission and wait for the stage's answer; ``sinks`` take the
         outputs of the requests it admits, by id. A refusal raises its error."""

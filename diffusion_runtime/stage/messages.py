@@ -6,7 +6,7 @@ unknown tags and unknown fields. A message is one msgpack frame; a
 :class:`Result` that carries images is followed by one more frame holding the
 tensor's raw bytes, laid out as its :class:`TensorMeta` says.
 
-Client → stage (:data:`ToStage`): :class:`AddRequest`, :class:`AddBatchRequest`,
+Client → stage (:data:`ToStage`): :class:`AddRequest`, :class:`AddRequests`,
 :class:`Abort`, :class:`CollectiveRPC`, :class:`StatusQuery`, :class:`Shutdown`.
 Stage → client (:data:`FromStage`): :class:`Ready` or :class:`StartFailed` once,
 then :class:`Admitted`, :class:`Result`, :class:`Error`, :class:`RPCResult`,
@@ -88,16 +88,18 @@ class AddRequest(_Message, frozen=True):
     seed: Seed
 
 
-class AddBatchRequest(_Message, frozen=True):
-    """A batch's prompts, admitted all or none as requests ``child_ids`` (one per
-    prompt, all with ``params`` and ``seed``). :class:`Admitted` or :class:`Error`
-    names ``request_id``, the batch; each child's outputs come under its own id."""
+class AddRequests(_Message, frozen=True):
+    """Several requests with one ``params``, admitted all or none: request
+    ``child_ids[i]`` runs ``prompts[i]`` with ``seeds[i]`` (a batch request's
+    prompts, or a ``generate`` call's). :class:`Admitted` or :class:`Error`
+    names ``request_id`` (the batch's id, or the first request's); each
+    request's outputs come under its own id."""
 
     request_id: str
     child_ids: list[str]
     prompts: list[Any]
     params: SamplingParamsMsg
-    seed: Seed
+    seeds: list[Seed]
 
 
 class Abort(_Message, frozen=True):
@@ -122,7 +124,7 @@ class Shutdown(_Message, frozen=True):
     pass
 
 
-ToStage = AddRequest | AddBatchRequest | Abort | CollectiveRPC | StatusQuery | Shutdown
+ToStage = AddRequest | AddRequests | Abort | CollectiveRPC | StatusQuery | Shutdown
 
 
 # -- stage → client --------------------------------------------------------------------

@@ -45,8 +45,8 @@ from diffusion_runtime.stage.endpoints import (
 from diffusion_runtime.stage.errors import StageProtocolError
 from diffusion_runtime.stage.messages import (
     Abort,
-    AddBatchRequest,
     AddRequest,
+    AddRequests,
     Admitted,
     CollectiveRPC,
     FromStage,
@@ -345,8 +345,8 @@ class StageProc:
     def _apply(self, message: ToStage) -> None:
         if isinstance(message, AddRequest):
             self._add_request(message)
-        elif isinstance(message, AddBatchRequest):
-            self._add_batch(message)
+        elif isinstance(message, AddRequests):
+            self._add_requests(message)
         elif isinstance(message, Abort):
             self.core.abort(message.request_ids, message.reason)
         elif isinstance(message, CollectiveRPC):
@@ -369,30 +369,30 @@ class StageProc:
             return
         self._send(Admitted(message.request_id))
 
-    def _add_batch(self, message: AddBatchRequest) -> None:
-        """Admit every child of the batch, or none."""
+    def _add_requests(self, message: AddRequests) -> None:
+        """Admit every request of the message, or none."""
         core = self.core
         admitted: list[str] = []
         try:
-            if not message.prompts:
-                raise InvalidFieldError("AddBatchRequest", "prompts", "must not be empty", [])
-            if len(message.child_ids) != len(message.prompts):
-                raise InvalidFieldError(
-                    "AddBatchRequest",
-                    "child_ids",
-                    "must name one request per prompt",
-                    len(message.child_ids),
-                )
+            count = len(message.prompts)
+            if not count:
+                raise InvalidFieldError("AddRequests", "prompts", "must not be empty", [])
+            for field, values in (("child_ids", message.child_ids), ("seeds", message.seeds)):
+                if len(values) != count:
+                    rule = f"must have one item per prompt ({count})"
+                    raise InvalidFieldError("AddRequests", field, rule, len(values))
             params = params_from_msg(message.params)
             for prompt in message.prompts:
                 core.validate(prompt, params)
-            for child_id, prompt in zip(message.child_ids, message.prompts, strict=True):
-                core.add_request(child_id, prompt, params, message.seed)
+            for child_id, prompt, seed in zip(
+                message.child_ids, message.prompts, message.seeds, strict=True
+            ):
+                core.add_request(child_id, prompt, params, seed)
                 admitted.append(child_id)
         except EngineDeadError:
             raise
         except Exception as exc:
-            core.abort(admitted, "its batch was refused")
+            core.abort(admitted, "a request admitted with it was refused")
             self._send(error_to_msg(exc, request_id=message.request_id))
             return
         self._send(Admitted(message.request_id))
