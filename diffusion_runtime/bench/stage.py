@@ -125,9 +125,7 @@ async def throughput(
     largest = max(batch_sizes)
     # One torch thread each: two processes whose thread teams spin on 2 cores slow
     # each other down far more than the stage itself costs.
-    config = EngineConfig(
-        pipeline="digits", device="cpu", max_num_seqs=largest, intra_op_threads=1
-    )
+    config = EngineConfig(pipeline="digits", device="cpu", max_num_seqs=largest, intra_op_threads=1)
     params = SamplingParams(num_inference_steps=steps, seed=0)
     rows = []
     async with StageClient(config) as client:

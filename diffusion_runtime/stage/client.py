@@ -132,7 +132,7 @@ class StageClient:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> StageClient:
-        """Spawn the stage and wait until its engine is ready (see :class:`StageStartError`)."""
+        """Spawn the stage and wait until its core is ready (see :class:`StageStartError`)."""
         if self._stage is not None or self._closed:
             raise RuntimeError("a StageClient starts once")
         self._stage = await StageProcess.launch(
@@ -314,6 +314,7 @@ class StageClient:
         bounded_input("request", "prompts", prompt_list)
         child_ids = [child_request_id(request_id, i) for i in range(len(prompt_list))]
         self._check_free([request_id, *child_ids])
+        self._open_stage()  # a parent is born only if the stage can take its prompts
         seed = self._minter.seed(params)
         message = AddRequests(
             request_id, child_ids, prompt_list, params_to_msg(params), [seed] * len(child_ids)
@@ -400,11 +401,11 @@ class StageClient:
         return reply.value
 
     async def check_health(self) -> None:
-        """Raise :class:`EngineDeadError` if the stage or its engine is dead,
+        """Raise :class:`EngineDeadError` if the stage or its executor is dead,
         :class:`EngineClosedError` once the client is shut down."""
         status = await self._status()
         if not status.healthy:
-            raise EngineDeadError(status.error or "the stage's engine is not healthy")
+            raise EngineDeadError(status.error or "the stage's executor is not healthy")
 
     async def queue_length(self) -> int:
         """Requests waiting in the stage's scheduler."""
