@@ -400,7 +400,17 @@ def test_abort_ends_requests_and_batches_with_an_aborted_output(shared: Shared) 
             await gate.tick_until(client.queue_length())
             return single, await batch
 
-    single, batch = shared.run(scenario())
+    events: list[TraceEvent] = []
+    client.batch_machine.subscribe(events.append)
+    try:
+        single, batch = shared.run(scenario())
+    finally:
+        client.batch_machine.unsubscribe(events.append)
+    assert [(e.trigger, e.reason) for e in events if isinstance(e, LifecycleEvent)] == [
+        (ADMIT, None),
+        ("schedule", None),
+        ("abort", "enough"),
+    ]
     assert single[-1].status is S.FINISHED_ABORTED and single[-1].image_batch is None
     assert single[-1].error == "aborted by the caller"
     assert batch.status is S.FINISHED_ABORTED and batch.image_batch is None
