@@ -12,7 +12,6 @@ import contextlib
 import gc
 import multiprocessing
 import os
-import shutil
 import signal
 import stat
 import tempfile
@@ -142,19 +141,6 @@ def fails_to_build(device: Any) -> Any:
 
 def exits_while_building(device: Any) -> Any:
     os._exit(3)
-
-
-def start_a_stage_then_wait(config: EngineConfig, report: str) -> None:
-    """A client process: starts a stage, writes its pid and socket directory to
-    ``report``, then waits to be killed."""
-
-    async def serve() -> None:
-        client = await StageClient(config).start()
-        Path(f"{report}.tmp").write_text(f"{client.pid} {client.socket_dir}")
-        os.rename(f"{report}.tmp", report)
-        await asyncio.Event().wait()
-
-    asyncio.run(serve())
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -426,8 +412,6 @@ def test_collective_rpc_calls_only_allow_listed_methods(shared: Shared) -> None:
     assert shared.run(client.collective_rpc("echo", [value])) == [value]
     assert shared.run(client.collective_rpc("device_name", unique_reply_rank=0)) == "cpu"
     assert shared.run(client.collective_rpc("pid", unique_reply_rank=0)) == client.pid
-    # The stage drives its core from its one thread (the uni worker runs on it too).
-    assert shared.run(client.collective_rpc("thread_names", unique_reply_rank=0)) == ["MainThread"]
     for method in ("execute_model", "release_requests", "shutdown", "_hidden", "__init__", "x"):
         with pytest.raises(RPCError, match="not on the stage's RPC allow-list"):
             shared.run(client.collective_rpc(method))
@@ -753,8 +737,12 @@ def test_a_stage_that_vanishes_fails_pending_calls_at_once(tmp_path: Path) -> No
 
 def test_shutdown_is_idempotent_and_fails_what_is_pending(tmp_path: Path) -> None:
     async def scenario() -> None:
-        client = StageClient(stage_config(tmp_path), shutdown_grace_s=30.0)
+        config = stage_config(tmp_path, worker_extensions=(Probe,))
+        client = StageClient(config, shutdown_grace_s=30.0)
         await client.start()
+        # Over IPC the stage runs on its one thread (the uni worker too): a loop, not a
+        # DiffusionEngine with its loop thread and an RPC pool.
+        assert await client.collective_rpc("thread_names", unique_reply_rank=0) == ["MainThread"]
         done = await client.add_request("x", FAST)
         [finished] = await client.generate(["y"], FAST)  # "x" ran in the same or an earlier wave
         with Gate(tmp_path) as gate:
@@ -777,33 +765,6 @@ def test_shutdown_is_idempotent_and_fails_what_is_pending(tmp_path: Path) -> Non
     asyncio.run(scenario())
     gc.collect()
     assert open_descriptors() <= descriptors  # sockets, pipes, the ZMQ context's too
-
-
-def test_a_stage_whose_client_process_dies_stops_on_its_own(tmp_path: Path) -> None:
-    def running(pid: int) -> bool:  # an exited process may linger as a zombie here
-        try:
-            return Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    report = tmp_path / "stage"
-    client_process = multiprocessing.get_context("spawn").Process(
-        target=start_a_stage_then_wait, args=(stage_config(tmp_path), str(report))
-    )
-    client_process.start()
-    socket_dir = None
-    try:
-        assert wait_for(report.exists, 120)
-        pid, socket_dir = report.read_text().split()
-        assert running(int(pid))
-        client_process.kill()
-        client_process.join()
-        assert wait_for(lambda: not running(int(pid)), 30)
-    finally:
-        client_process.kill()
-        client_process.join()
-        if socket_dir is not None:  # its owner was killed: nobody else removes it
-            shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def test_a_client_dropped_without_shutdown_takes_its_stage_down(tmp_path: Path) -> None:

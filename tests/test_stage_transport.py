@@ -304,8 +304,14 @@ def test_a_malformed_reply_fails_only_its_own_request_and_the_client_keeps_servi
     forger = attacker.peer(reply_endpoint(client))
 
     async def forge() -> list[BaseException]:
-        ids = [await client.add_request(f"hold {i}", FAST) for i in range(len(BAD_IMAGES))]
-        await stages.gate.entered()  # the first holds the stage's pipeline; all wait
+        ids = [f"forged-{i}" for i in range(len(BAD_IMAGES))]
+        # The stage answers admissions between steps: the first request holds its
+        # pipeline, the others wait to be admitted; each has its stream already.
+        added = [
+            asyncio.ensure_future(client.add_request(f"hold {i}", FAST, request_id=rid))
+            for i, rid in enumerate(ids)
+        ]
+        await stages.gate.entered()
         for request_id, (meta, extra) in zip(ids, BAD_IMAGES, strict=True):
             forger.send_multipart([forged_result(request_id, meta), *extra])
         failures = []
@@ -313,6 +319,8 @@ def test_a_malformed_reply_fails_only_its_own_request_and_the_client_keeps_servi
             with pytest.raises(StageProtocolError) as failed:
                 [_ async for _ in client.stream(request_id)]
             failures.append(failed.value)
+        stages.gate.release()
+        await asyncio.gather(*added)
         return failures
 
     unreadable = [
@@ -361,11 +369,17 @@ def test_every_readable_protocol_break_at_the_stage_gets_an_error_reply(tmp_path
     params = msgspec.to_builtins(attrs.asdict(FAST))
 
     def add(**fields: Any) -> bytes:
-        body = {"type": "AddRequest", "request_id": "r", "prompt": "p", "params": params}
+        body = {"type": "AddRequest", "request_id": "r", "prompt": "p", "params": params, "seed": 3}
         return msgspec.msgpack.encode({**body, **fields})
 
     def add_prompt_last(raw_prompt: bytes) -> bytes:
-        body = {"type": "AddRequest", "request_id": "r", "params": params, "prompt": None}
+        body = {
+            "type": "AddRequest",
+            "request_id": "r",
+            "params": params,
+            "seed": 3,
+            "prompt": None,
+        }
         return msgspec.msgpack.encode(body)[:-1] + raw_prompt
 
     answered: list[tuple[bytes, str]] = [
@@ -373,7 +387,7 @@ def test_every_readable_protocol_break_at_the_stage_gets_an_error_reply(tmp_path
         (add(request_id="ext", prompt=msgspec.msgpack.Ext(5, b"x")), "InvalidFieldError"),
         (add(request_id="type", params={**params, "extra_args": []}), "ProtocolError"),
         (
-            msgspec.msgpack.encode({"type": "AddBatchRequest", "request_id": "b", "prompts": "p"}),
+            msgspec.msgpack.encode({"type": "AddRequests", "request_id": "b", "prompts": "p"}),
             "ProtocolError",
         ),
         (
