@@ -40,7 +40,13 @@ from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.executor.selection import resolve_executor_class
 from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine, RequestStatus, Trigger
 from diffusion_runtime.fsm.audit import Auditor, InvariantViolation, Violation
-from diffusion_runtime.fsm.events import DeliveryEvent, EngineEvent, RunnerEvent, WaveEvent
+from diffusion_runtime.fsm.events import (
+    AbortEvent,
+    DeliveryEvent,
+    EngineEvent,
+    RunnerEvent,
+    WaveEvent,
+)
 from diffusion_runtime.fsm.trace import JsonlTraceWriter
 from diffusion_runtime.outputs import RequestMetrics, RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
@@ -166,6 +172,8 @@ class EngineCore:
 
     def _abort(self, request_ids: Iterable[str], reason: str) -> None:
         for request_id in request_ids:
+            if self.machine.traced:
+                self.machine.publish(AbortEvent(request_id, reason, time.monotonic()))
             ended = self.scheduler.abort_request(request_id, reason)
             if ended is not None:
                 self._pending.append(self._final_output(ended, None))
@@ -467,6 +475,7 @@ class EngineCore:
             # A wave's runner event is published only if its wave event was: a
             # subscriber that joins mid-wave never sees a result without its wave.
             self._traced_waves.add(output.wave_id)
+            requests = [self.scheduler.requests.get(rid) for rid in output.scheduled_ids]
             self.machine.publish(
                 WaveEvent(
                     output.wave_id,
@@ -474,6 +483,12 @@ class EngineCore:
                     output.scheduled_cached_ids,
                     output.finished_ids,
                     time.monotonic(),
+                    batch_keys=tuple("" if r is None else repr(r.batch_key) for r in requests),
+                    num_steps=tuple(
+                        0 if r is None else r.params.num_inference_steps for r in requests
+                    ),
+                    capacity=self.config.max_num_seqs,
+                    mode=self.config.resolved_mode,
                 )
             )
         return output
@@ -491,6 +506,7 @@ class EngineCore:
                     tuple(result.created),
                     tuple(result.released),
                     time.monotonic(),
+                    steps=tuple(result.progress.values()),
                 )
             )
 

@@ -187,9 +187,9 @@ def test_docs_diagram_is_generated_from_the_machine() -> None:
 
 
 def test_auditor_memory_of_finished_requests_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from diffusion_runtime.fsm import audit
+    from diffusion_runtime.fsm import audit, violation
 
-    monkeypatch.setattr(audit, "RECENT_LIMIT", 3)
+    monkeypatch.setattr(violation, "RECENT_LIMIT", 3)
     machine, _ = machine_with_log()
     auditor = audit.Auditor()
     machine.subscribe(auditor.feed)

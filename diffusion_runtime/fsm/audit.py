@@ -1,4 +1,4 @@
-"""The invariant auditor: checks DIFF-RUNTIME-INV-001..006 over a stream of trace events.
+"""The invariant auditor: checks INV-001..010 over a stream of trace events.
 
 Each invariant is a small checker with two methods: ``feed(event)`` returns the
 violations an event reveals, and ``finish(complete)`` those only visible at the
@@ -10,14 +10,20 @@ is adding a checker; see ``docs/auditing.md``.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import attrs
 
+from diffusion_runtime.fsm.effect_checks import (
+    AbortsTakeEffect,
+    OutputsSayWhetherFinal,
+    StepsAsRequested,
+    WavesFollowPolicy,
+)
 from diffusion_runtime.fsm.events import (
     ADMIT,
+    AbortEvent,
     DeliveryEvent,
     EngineEvent,
     LifecycleEvent,
@@ -27,50 +33,18 @@ from diffusion_runtime.fsm.events import (
     WaveEvent,
 )
 from diffusion_runtime.fsm.states import TERMINAL_STATES, RequestStatus
+from diffusion_runtime.fsm.violation import RECENT_LIMIT, InvariantViolation, Recent, Violation
 
-K = TypeVar("K")
-V = TypeVar("V")
-
-#: How many finished requests a checker remembers (an online auditor runs for days).
-RECENT_LIMIT = 100_000
-
-
-class Recent(OrderedDict[K, V]):
-    """A dict that forgets its oldest entries beyond :data:`RECENT_LIMIT`.
-
-    Checkers remember finished requests here, so an auditor's memory stays
-    bounded; a violation about a request finished long ago may go unseen.
-    """
-
-    def __setitem__(self, key: K, value: V) -> None:
-        super().__setitem__(key, value)
-        self.move_to_end(key)
-        if len(self) > RECENT_LIMIT:
-            self.popitem(last=False)
-
-
-@attrs.frozen
-class Violation:
-    """One broken invariant, with the events that prove it."""
-
-    invariant: str
-    request_id: str | None
-    message: str
-    evidence: tuple[TraceEvent, ...] = ()
-
-    def describe(self) -> str:
-        subject = f"request {self.request_id!r}: " if self.request_id is not None else ""
-        lines = [f"{self.invariant} {subject}{self.message}"]
-        lines.extend(f"    {event.to_json_dict()}" for event in self.evidence)
-        return "\n".join(lines)
-
-
-class InvariantViolation(AssertionError):
-    """Raised by an auditor in ``raise`` mode."""
-
-    def __init__(self, violation: Violation) -> None:
-        self.violation = violation
-        super().__init__(violation.describe())
+__all__ = [
+    "RECENT_LIMIT",
+    "Auditor",
+    "InvariantChecker",
+    "InvariantViolation",
+    "Recent",
+    "Violation",
+    "audit_events",
+    "default_checkers",
+]
 
 
 class InvariantChecker(Protocol):
@@ -544,7 +518,7 @@ class PreemptionKeepsState:
 
 
 def default_checkers() -> list[InvariantChecker]:
-    """One checker per invariant, INV-001 to INV-006."""
+    """One checker per invariant, INV-001 to INV-010."""
     return [
         OneLifecycleOwner(),
         ExecutionFollowsScheduler(),
@@ -552,6 +526,10 @@ def default_checkers() -> list[InvariantChecker]:
         HooksNotLifecycles(),
         ResultsKeepIdentity(),
         PreemptionKeepsState(),
+        WavesFollowPolicy(),
+        AbortsTakeEffect(),
+        StepsAsRequested(),
+        OutputsSayWhetherFinal(),
     ]
 
 
@@ -603,24 +581,29 @@ class Auditor:
             if event.trigger == ADMIT:
                 known[event.request_id] = None
             return event if event.request_id in known else None
-        if isinstance(event, (DeliveryEvent, ResourceEvent)):
+        if isinstance(event, (DeliveryEvent, ResourceEvent, AbortEvent)):
             return event if event.request_id in known else None
         if isinstance(event, WaveEvent):
             self._waves_in_view.add(event.wave_id)
+            keep = [i for i, rid in enumerate(event.scheduled_ids) if rid in known]
             return attrs.evolve(
                 event,
                 new_ids=tuple(r for r in event.new_ids if r in known),
                 cached_ids=tuple(r for r in event.cached_ids if r in known),
                 finished_ids=tuple(r for r in event.finished_ids if r in known),
+                batch_keys=tuple(event.batch_keys[i] for i in keep if i < len(event.batch_keys)),
+                num_steps=tuple(event.num_steps[i] for i in keep if i < len(event.num_steps)),
             )
         if isinstance(event, RunnerEvent):
             if event.wave_id not in self._waves_in_view:
                 return None  # a wave scheduled before this auditor joined
+            steps = dict(zip(event.progressed, event.steps, strict=False))
             return attrs.evolve(
                 event,
                 executed=tuple(r for r in event.executed if r in known),
                 produced=tuple(r for r in event.produced if r in known),
                 progressed=tuple(r for r in event.progressed if r in known),
+                steps=tuple(steps[r] for r in event.progressed if r in known and r in steps),
                 failed=tuple(r for r in event.failed if r in known),
                 created=tuple(r for r in event.created if r in known),
                 released=tuple(r for r in event.released if r in known),

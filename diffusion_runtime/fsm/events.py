@@ -53,13 +53,23 @@ class LifecycleEvent:
 
 @attrs.frozen(slots=True)
 class WaveEvent:
-    """A scheduler output: what the scheduler asked the workers to run (INV-002)."""
+    """A scheduler output: what the scheduler asked the workers to run (INV-002).
+
+    The policy fields (INV-006, INV-008) are aligned with :attr:`scheduled_ids`:
+    ``batch_keys`` holds each request's compatibility key (as text) and
+    ``num_steps`` its requested step count. ``capacity`` is the engine's
+    ``max_num_seqs`` and ``mode`` its execution mode (``""``/``0``: not recorded).
+    """
 
     wave_id: int
     new_ids: tuple[str, ...]
     cached_ids: tuple[str, ...]
     finished_ids: tuple[str, ...]
     time: float
+    batch_keys: tuple[str, ...] = ()
+    num_steps: tuple[int, ...] = ()
+    capacity: int = 0
+    mode: str = ""
 
     kind = "wave"
 
@@ -75,6 +85,10 @@ class WaveEvent:
             "cached_ids": list(self.cached_ids),
             "finished_ids": list(self.finished_ids),
             "time": self.time,
+            "batch_keys": list(self.batch_keys),
+            "num_steps": list(self.num_steps),
+            "capacity": self.capacity,
+            "mode": self.mode,
         }
 
 
@@ -85,7 +99,8 @@ class RunnerEvent:
     ``executed``: ids handed to the pipeline, in order. ``produced``: ids with
     final images; ``progressed``: ids that advanced a step; ``failed``: ids with
     an error. ``created``/``released``: ids whose runner state was created or
-    dropped.
+    dropped. ``steps`` is aligned with ``progressed``: each id's
+    ``(step_index, num_steps)`` after the step (INV-008).
     """
 
     wave_id: int
@@ -96,6 +111,7 @@ class RunnerEvent:
     created: tuple[str, ...]
     released: tuple[str, ...]
     time: float
+    steps: tuple[tuple[int, int], ...] = ()
 
     kind = "runner"
 
@@ -110,6 +126,7 @@ class RunnerEvent:
             "created": list(self.created),
             "released": list(self.released),
             "time": self.time,
+            "steps": [list(step) for step in self.steps],
         }
 
 
@@ -165,6 +182,25 @@ class ResourceEvent:
 
 
 @attrs.frozen(slots=True)
+class AbortEvent:
+    """A caller (or a consumer that stopped reading) asked the core to abort a request (INV-007)."""
+
+    request_id: str
+    reason: str
+    time: float
+
+    kind = "abort"
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "request_id": self.request_id,
+            "reason": self.reason,
+            "time": self.time,
+        }
+
+
+@attrs.frozen(slots=True)
 class EngineEvent:
     """The engine started, closed or died; a trace that ends with ``closed`` is complete."""
 
@@ -178,7 +214,15 @@ class EngineEvent:
         return {"kind": self.kind, "state": self.state, "time": self.time, "reason": self.reason}
 
 
-TraceEvent = LifecycleEvent | WaveEvent | RunnerEvent | DeliveryEvent | ResourceEvent | EngineEvent
+TraceEvent = (
+    LifecycleEvent
+    | WaveEvent
+    | RunnerEvent
+    | DeliveryEvent
+    | ResourceEvent
+    | AbortEvent
+    | EngineEvent
+)
 
 
 def event_from_json(record: dict[str, Any]) -> TraceEvent:
@@ -197,6 +241,10 @@ def event_from_json(record: dict[str, Any]) -> TraceEvent:
             tuple(fields["cached_ids"]),
             tuple(fields["finished_ids"]),
             fields["time"],
+            batch_keys=tuple(fields.get("batch_keys", ())),
+            num_steps=tuple(fields.get("num_steps", ())),
+            capacity=fields.get("capacity", 0),
+            mode=fields.get("mode", ""),
         )
     if kind == "runner":
         return RunnerEvent(
@@ -208,12 +256,15 @@ def event_from_json(record: dict[str, Any]) -> TraceEvent:
             created=tuple(fields["created"]),
             released=tuple(fields["released"]),
             time=fields["time"],
+            steps=tuple((step, total) for step, total in fields.get("steps", ())),
         )
     if kind == "delivery":
         fields["status"] = RequestStatus(fields["status"])
         return DeliveryEvent(**fields)
     if kind == "resource":
         return ResourceEvent(**fields)
+    if kind == "abort":
+        return AbortEvent(**fields)
     if kind == "engine":
         return EngineEvent(**fields)
     raise ValueError(f"unknown trace event kind {kind!r}")

@@ -1,0 +1,448 @@
+"""The deterministic lifecycle harness: hypothesis drives an :class:`EngineCore`
+directly, one synchronous ``step()`` at a time.
+
+Nothing here waits on a thread, so every draw depends only on earlier draws:
+the same seed replays the same example, and a failure shrinks. Rules admit
+requests (alone, in bursts that mix failing prompts with good ones, and under
+ids already taken), step the core, abort between steps and during a wave, call
+worker RPCs with short timeouts, kill a worker and close. After every rule:
+the auditor (INV-001..009) found nothing and no component holds state for a
+finished request. At the end: every request that no fault touched completed,
+every completed output equals the pipeline's own output for that request
+(called directly, outside the engine), outputs depend on the seed, and nothing
+is left held. :class:`~diffusion_runtime.testing.reach.Reach` counts the paths reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import attrs
+import hypothesis.strategies as st
+import torch
+from hypothesis.stateful import (
+    Bundle,
+    MultipleResults,
+    RuleBasedStateMachine,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.core import EngineCore
+from diffusion_runtime.errors import DuplicateRequestError, EngineDeadError, RPCError
+from diffusion_runtime.executor.base import DiffusionExecutor
+from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
+from diffusion_runtime.fsm.audit import Auditor
+from diffusion_runtime.fsm.events import TraceEvent, WaveEvent
+from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.scheduler.base import BaseScheduler
+from diffusion_runtime.testing.oracle import DirectOracle
+from diffusion_runtime.testing.probes import PROBE_PATH
+from diffusion_runtime.testing.reach import Reach
+from diffusion_runtime.testing.strategies import sampling_params
+
+#: How many seed-dependence checks one example makes (each is two direct forwards).
+SEED_CHECKS_PER_EXAMPLE = 2
+
+
+@attrs.define
+class RequestRecord:
+    """One admission as the harness saw it: inputs, fate and final output."""
+
+    prompt: Any
+    params: SamplingParams
+    seed: int
+    failing: bool
+    aborted: bool = False
+    final: RequestOutput | None = None
+    waves: set[int] = attrs.field(factory=set)
+
+
+class CoreLifecycleMachine(RuleBasedStateMachine):
+    """The harness over an :class:`EngineCore`; configure it with
+    :func:`core_lifecycle_machine` or subclass it."""
+
+    config_factory: ClassVar[Callable[[], EngineConfig]]
+    prompts: ClassVar[st.SearchStrategy[Any]] = st.sampled_from(["a", "b", 7])
+    params: ClassVar[st.SearchStrategy[SamplingParams]] = sampling_params()
+    failing_prompts: ClassVar[st.SearchStrategy[Any] | None] = None
+    rpc_timeouts: ClassVar[st.SearchStrategy[float | None]] = st.sampled_from([None, 1e-4, 5.0])
+    scheduler_cls: ClassVar[type[BaseScheduler] | None] = None
+    executor_cls: ClassVar[type[DiffusionExecutor] | None] = None
+    # A tuple, so the function is not bound as a method of the machine.
+    worker_killer: ClassVar[tuple[Callable[[EngineCore], None], ...]] = ()
+    oracle_tolerance: ClassVar[float] = 0.0
+    #: Steps a quiet-down may take before the harness calls the engine stuck.
+    max_steps_to_idle: ClassVar[int] = 500
+    reach: ClassVar[Reach] = Reach()
+
+    requests = Bundle("requests")
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = type(self).config_factory()
+        config = attrs.evolve(config, worker_extensions=(*config.worker_extensions, PROBE_PATH))
+        self.config = config
+        executor = self.executor_cls(config) if self.executor_cls is not None else None
+        self.core = EngineCore(config, scheduler_cls=self.scheduler_cls, executor=executor)
+        self.auditor = Auditor()
+        self.records: dict[str, RequestRecord] = {}
+        self.past: list[RequestRecord] = []
+        self.states: dict[str, RequestStatus] = {}
+        self.admissions: dict[str, int] = {}
+        self.terminals: dict[str, int] = {}
+        self.closed = False
+        self.dead = False
+        self._next_id = 0
+        self.core.machine.subscribe(self._record)
+        self.oracle = DirectOracle.for_config(config)
+
+    # -- rules -------------------------------------------------------------------------
+
+    @precondition(lambda self: self._alive)
+    @rule(target=requests, data=st.data())
+    def add(self, data: st.DataObject) -> str:
+        return self._add(data, data.draw(self.prompts), data.draw(self.params), failing=False)
+
+    @precondition(lambda self: self._alive)
+    @rule(target=requests, data=st.data())
+    def add_burst(self, data: st.DataObject) -> MultipleResults[str]:
+        """Requests admitted together, so they share waves; failing prompts mix in."""
+        tagged = self.prompts.map(lambda p: (p, False))
+        if self.failing_prompts is not None:
+            tagged = tagged | self.failing_prompts.map(lambda p: (p, True))
+        mix = data.draw(st.lists(st.tuples(tagged, self.params), min_size=2, max_size=4))
+        self.reach.note("rule: burst")
+        return multiple(
+            *(self._add(data, prompt, params, failing) for (prompt, failing), params in mix)
+        )
+
+    @precondition(lambda self: self._alive and self.failing_prompts is not None)
+    @rule(target=requests, data=st.data())
+    def add_failing(self, data: st.DataObject) -> str:
+        assert self.failing_prompts is not None
+        return self._add(data, data.draw(self.failing_prompts), data.draw(self.params), True)
+
+    @precondition(lambda self: self._alive)
+    @rule(rid=requests)
+    def add_with_a_taken_id(self, rid: str) -> None:
+        """An id in use is refused by the scheduler; a finished one starts a new lifecycle."""
+        old = self.records[rid]
+        active = self._is_active(rid)
+        if not active and old.final is None:
+            # Ended by an abort whose output comes with the next step: the id is
+            # the old request's until that output is out (as a front keeps it).
+            self._step()
+            assert old.final is not None, f"{rid!r} ended, but a step did not deliver its output"
+        try:
+            self.core.add_request(rid, old.prompt, old.params, old.seed)
+        except DuplicateRequestError:
+            assert active, f"{rid!r} refused although its request had finished"
+            self.reach.note("path: scheduler refused a duplicate id")
+            return
+        assert not active, f"{rid!r} admitted again while its request was active"
+        self.reach.note("path: finished id admitted again")
+        self.past.append(old)
+        self.records[rid] = RequestRecord(old.prompt, old.params, old.seed, old.failing)
+
+    @precondition(lambda self: self._alive)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        for _ in range(data.draw(st.integers(1, 3), label="steps")):
+            self._step()
+
+    @precondition(lambda self: self._alive)
+    @rule(rid=requests)
+    def abort(self, rid: str) -> None:
+        state = self.states.get(rid)
+        self.reach.note(f"rule: abort a {state.name if state else 'unknown'} request")
+        self._abort(rid)
+        if state is not None and state not in TERMINAL_STATES:
+            assert self.states[rid] is RequestStatus.FINISHED_ABORTED, (
+                f"{rid!r} was {state} and is {self.states[rid]} after abort() returned"
+            )
+
+    @precondition(lambda self: self._alive)
+    @rule(rid=requests)
+    def abort_during_a_wave(self, rid: str) -> None:
+        """An abort that arrives while the workers run a wave wins over its results."""
+
+        def late_abort() -> None:
+            if self.states.get(rid) is RequestStatus.RUNNING:
+                self.reach.note("path: abort of a running request during its wave")
+            self._abort(rid)
+
+        self._step(late_aborts=late_abort)
+
+    @precondition(lambda self: self._alive)
+    @rule(data=st.data())
+    def rpc(self, data: st.DataObject) -> None:
+        """A worker RPC, perhaps with a timeout too short to meet; the answer is never stale."""
+        timeout = data.draw(self.rpc_timeouts, label="timeout")
+        try:
+            held = self.core.collective_rpc(
+                "cached_request_ids", timeout=timeout, unique_reply_rank=0
+            )
+        except RPCError:
+            self.reach.note("path: RPC refused or timed out")
+            return
+        self.reach.note("path: RPC answered")
+        running = {rid for rid, s in self.states.items() if s is RequestStatus.RUNNING}
+        if self.config.resolved_mode == "step":
+            assert set(held) == running, f"RPC answered {sorted(held)}; running {sorted(running)}"
+
+    @precondition(lambda self: bool(self.worker_killer) and self._alive)
+    @rule()
+    def kill_worker(self) -> None:
+        for kill in self.worker_killer:
+            kill(self.core)
+        self.reach.note("rule: kill a worker")
+        try:
+            self._run_until_idle()
+        except EngineDeadError:
+            self.dead = True
+        assert self.dead, "the engine did not notice its worker died"
+        assert all(s in TERMINAL_STATES for s in self.states.values()), "death left requests open"
+
+    @precondition(lambda self: self._alive and len(self.records) >= 2)
+    @rule()
+    def close(self) -> None:
+        active = {rid for rid in self.records if self._is_active(rid)}
+        if active:
+            self.reach.note("path: close with active requests")
+        self._take(self.core.shutdown())
+        self.closed = True
+        for rid in active:
+            final = self.records[rid].final
+            assert final is not None, f"close ended {rid!r} without a final output"
+            assert final.status is RequestStatus.FINISHED_ABORTED, (rid, final)
+            self.records[rid].aborted = True
+
+    @precondition(lambda self: not self._alive)
+    @rule()
+    def step_after_the_end(self) -> None:
+        """A closed or dead core refuses to run anything."""
+        try:
+            self.core.step()
+        except EngineDeadError:
+            return
+        raise AssertionError("a closed or dead core ran a step")
+
+    # -- invariants --------------------------------------------------------------------
+
+    @invariant()
+    def the_auditor_finds_nothing(self) -> None:
+        assert not self.auditor.violations, self.auditor.violations[0].describe()
+
+    @invariant()
+    def nothing_is_held_for_finished_requests(self) -> None:
+        if not self._alive:
+            return
+        snapshot = self.core.snapshot()
+        finished = {rid for rid, s in self.states.items() if s in TERMINAL_STATES}
+        for part in ("scheduler_ids", "runner_cached_ids", "executor_held_ids"):
+            held = getattr(snapshot, part) & finished
+            assert not held, f"{part} holds finished requests {sorted(held)}"
+        if self.config.resolved_mode == "step":
+            assert snapshot.runner_cached_ids == snapshot.running_ids, snapshot
+        pipeline_held = set(self._pipeline_held()) & finished
+        assert not pipeline_held, f"the pipeline holds finished requests {sorted(pipeline_held)}"
+
+    def teardown(self) -> None:
+        try:
+            if self._alive:
+                self._run_until_idle()
+                held = self._pipeline_held()
+                assert not held, f"the pipeline holds state after every request ended: {held}"
+            self._check_outcomes()
+            self._check_against_the_pipeline()
+        finally:
+            self._take(self.core.shutdown())
+        self._check_final_trace()
+
+    # -- checks ------------------------------------------------------------------------
+
+    def _check_outcomes(self) -> None:
+        """Every request no fault, abort or death touched completed, with its image count."""
+        if self.dead:
+            return
+        poisoned = self._waves_with_failing_prompts()
+        for record in self._all_records():
+            final = record.final
+            assert final is not None, f"no final output for a request with prompt {record.prompt!r}"
+            if final.status is RequestStatus.FINISHED_COMPLETED:
+                count = record.params.num_outputs_per_prompt
+                assert final.image_batch is not None and final.image_batch.shape[0] == count
+            touched = record.failing or record.aborted or bool(record.waves & poisoned)
+            if not touched:
+                assert final.status is RequestStatus.FINISHED_COMPLETED, (
+                    f"{final.request_id!r} (prompt {record.prompt!r}) was valid and untouched "
+                    f"by faults or aborts, yet ended {final.status}: {final.error}"
+                )
+
+    def _check_against_the_pipeline(self) -> None:
+        """Completed outputs equal the pipeline's own output, called directly;
+        and the same request with another seed gives other images."""
+        seed_checks = 0
+        for record in self._all_records():
+            final = record.final
+            if final is None or final.status is not RequestStatus.FINISHED_COMPLETED:
+                continue
+            assert final.image_batch is not None
+            expected = self.oracle.images(record.prompt, record.params, record.seed)
+            assert expected is not None, (
+                f"{final.request_id!r} completed, but the pipeline alone fails "
+                f"prompt {record.prompt!r}"
+            )
+            assert self.oracle.matches(expected, final.image_batch, self.oracle_tolerance), (
+                f"{final.request_id!r}: output differs from the pipeline run directly "
+                f"(prompt {record.prompt!r}, {record.params}, seed {record.seed})"
+            )
+            if not self.oracle.seed_free and seed_checks < SEED_CHECKS_PER_EXAMPLE:
+                seed_checks += 1
+                other = self.oracle.images(record.prompt, record.params, record.seed + 1)
+                assert other is None or not torch.equal(other, final.image_batch), (
+                    f"the pipeline ignores the seed: prompt {record.prompt!r} gave equal "
+                    f"images with seeds {record.seed} and {record.seed + 1} "
+                    "(declare seed_free = True on a pipeline that means to)"
+                )
+
+    def _check_final_trace(self) -> None:
+        for rid, admitted in self.admissions.items():
+            assert self.terminals.get(rid, 0) == admitted, (
+                f"{rid!r}: {admitted} admissions, {self.terminals.get(rid, 0)} terminal states"
+            )
+        self.auditor.finish()
+        if not self.dead:
+            assert self.auditor.complete, "the trace did not end with the engine closing"
+        assert not self.auditor.violations, self.auditor.violations[0].describe()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    @property
+    def _alive(self) -> bool:
+        return not self.closed and not self.dead
+
+    def _add(self, data: st.DataObject, prompt: Any, params: SamplingParams, failing: bool) -> str:
+        seed = params.seed if params.seed is not None else data.draw(st.integers(0, 2**31))
+        rid = f"r{self._next_id}"
+        self._next_id += 1
+        self.core.validate(prompt, params)
+        self.core.add_request(rid, prompt, params, seed)
+        self.records[rid] = RequestRecord(prompt, params, seed, failing)
+        return rid
+
+    def _abort(self, rid: str) -> None:
+        if self._is_active(rid):
+            self.records[rid].aborted = True
+        self.core.abort([rid])
+
+    def _step(self, late_aborts: Callable[[], None] | None = None) -> None:
+        try:
+            self._take(self.core.step(late_aborts))
+        except EngineDeadError:
+            self.dead = True
+            raise
+
+    def _run_until_idle(self) -> None:
+        for _ in range(self.max_steps_to_idle):
+            if not self.core.has_unfinished():
+                return
+            self._step()
+        raise AssertionError(f"the engine still had work after {self.max_steps_to_idle} steps")
+
+    def _take(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            record = self.records.get(output.request_id)
+            assert record is not None, f"an output for an id never admitted: {output}"
+            if not output.finished:
+                assert output.status is RequestStatus.RUNNING, output
+                assert record.final is None, f"a progress output after the final one: {output}"
+                self.reach.note("path: progress output")
+                continue
+            assert record.final is None, f"a second final output: {output}"
+            assert self.states.get(output.request_id) is output.status, (
+                f"{output.request_id!r} delivered as {output.status}, "
+                f"but its lifecycle ended {self.states.get(output.request_id)}"
+            )
+            record.final = output
+            self.reach.note(f"outcome: {output.status.name}")
+
+    def _record(self, event: TraceEvent) -> None:
+        self.auditor.feed(event)
+        if isinstance(event, LifecycleEvent) and not event.rejected:
+            rid = event.request_id
+            self.states[rid] = event.dest
+            if event.source is None:
+                self.admissions[rid] = self.admissions.get(rid, 0) + 1
+            elif event.dest in TERMINAL_STATES:
+                self.terminals[rid] = self.terminals.get(rid, 0) + 1
+        elif isinstance(event, WaveEvent):
+            for rid in event.scheduled_ids:
+                record = self.records.get(rid)
+                if record is not None:
+                    record.waves.add(event.wave_id)
+            failing = {rid for rid in event.scheduled_ids if self._is_failing(rid)}
+            if failing and len(failing) < len(event.scheduled_ids):
+                self.reach.note("path: a wave mixing failing and good requests")
+            if len(event.scheduled_ids) > 1:
+                self.reach.note("path: a wave of several requests")
+
+    def _is_failing(self, rid: str) -> bool:
+        record = self.records.get(rid)
+        return record is not None and record.failing
+
+    def _is_active(self, rid: str) -> bool:
+        state = self.states.get(rid)
+        return state is not None and state not in TERMINAL_STATES
+
+    def _waves_with_failing_prompts(self) -> set[int]:
+        return {wave for record in self._all_records() if record.failing for wave in record.waves}
+
+    def _all_records(self) -> list[RequestRecord]:
+        return [*self.past, *self.records.values()]
+
+    def _pipeline_held(self) -> list[str]:
+        held: list[str] = self.core.collective_rpc("pipeline_held_request_ids", unique_reply_rank=0)
+        return held
+
+
+def core_lifecycle_machine(
+    config: Callable[[], EngineConfig],
+    *,
+    prompts: st.SearchStrategy[Any] | None = None,
+    params: st.SearchStrategy[SamplingParams] | None = None,
+    failing_prompts: st.SearchStrategy[Any] | None = None,
+    rpc_timeouts: st.SearchStrategy[float | None] | None = None,
+    scheduler_cls: type[BaseScheduler] | None = None,
+    executor_cls: type[DiffusionExecutor] | None = None,
+    worker_killer: Callable[[EngineCore], None] | None = None,
+    oracle_tolerance: float = 0.0,
+    base: type[CoreLifecycleMachine] = CoreLifecycleMachine,
+) -> type[CoreLifecycleMachine]:
+    """A core harness class for engines built from ``config()``.
+
+    ``prompts`` and ``params`` generate valid requests; ``failing_prompts``
+    requests the pipeline is known to fail (they also excuse their wave
+    mates); ``scheduler_cls`` and ``executor_cls`` plug in your own
+    components; ``worker_killer`` kills a worker of a multi-process engine;
+    ``oracle_tolerance`` allows an absolute difference from the direct run.
+    """
+    attributes: dict[str, Any] = {
+        "config_factory": staticmethod(config),
+        "failing_prompts": failing_prompts,
+        "scheduler_cls": scheduler_cls,
+        "executor_cls": executor_cls,
+        "worker_killer": (worker_killer,) if worker_killer else (),
+        "oracle_tolerance": oracle_tolerance,
+        "reach": Reach(),
+    }
+    for name, value in (("prompts", prompts), ("params", params), ("rpc_timeouts", rpc_timeouts)):
+        if value is not None:
+            attributes[name] = value
+    return type("ConfiguredCoreLifecycle", (base,), attributes)
