@@ -1,48 +1,165 @@
-"""Proof by mutation: the harness fails on each deliberately broken runtime and
-passes on the real one."""
+"""Proof by mutation: the harness fails on each deliberately broken runtime, and
+passes on the real one while reaching every path the catalogue depends on.
+
+By default a representative subset of the catalogue runs (one or more per
+layer); ``pytest -m slow`` runs all of it.
+"""
 
 from __future__ import annotations
+
+import time
 
 import hypothesis.strategies as st
 import pytest
 from conftest import engine_threads
+from hypothesis.stateful import RuleBasedStateMachine
 
 from diffusion_runtime import EngineConfig
+from diffusion_runtime.testing.core_harness import CoreLifecycleMachine, core_lifecycle_machine
 from diffusion_runtime.testing.harness import EngineLifecycleMachine, lifecycle_machine
 from diffusion_runtime.testing.mutations import CATALOGUE, Mutation, hunt
 from diffusion_runtime.testing.strategies import sampling_params
 
 MAX_EXAMPLES = 150
+#: Examples for the mp target, whose engines start worker processes (about 0.3 s each).
+MP_EXAMPLES = 40
+CATCH_LIMIT_S = 60.0
+
+FAST_SUBSET = {
+    "results-by-position",
+    "stream-not-woken",
+    "wave-over-capacity",
+    "request-waves-mix-steps",
+    "running-abort-ignored",
+    "completes-a-step-early",
+    "one-step-short",
+    "late-aborts-after-results",
+    "death-spares-waiting",
+    "preview-marked-final",
+    "mp-stale-reply-taken",
+    "dropped-consumer-not-aborted",
+}
+
+#: Paths the catalogue depends on, and how often a passing run must reach each.
+REQUIRED_REACH = {
+    "core": {
+        "path: a wave mixing failing and good requests": 20,
+        "path: scheduler refused a duplicate id": 10,
+        "path: finished id admitted again": 5,
+        "path: abort of a running request during its wave": 5,
+        "path: close with active requests": 5,
+        "path: death with other requests active": 5,
+        "path: RPC timeout refused": 5,
+    },
+    "step": {"rule: abort a RUNNING request": 5, "path: progress output": 20},
+    "mp": {"path: RPC timed out": 3, "path: RPC answered": 3},
+    "front": {
+        "path: close with blocked readers": 5,
+        "path: consumer dropped while its request was active": 5,
+    },
+}
 
 
-def harness(mode: str) -> type[EngineLifecycleMachine]:
-    machine = lifecycle_machine(
-        lambda: EngineConfig(
-            pipeline="testing-faults", device="cpu", max_num_seqs=3, execution_mode=mode
-        ),
+def params(mode: str) -> st.SearchStrategy:  # type: ignore[type-arg]
+    # Step mode needs requests that stay running long enough to be aborted mid-flight.
+    steps = (1, 3) if mode == "request" else (2, 6)
+    return sampling_params(steps=steps, outputs=(1, 2), guidance=[1.0, 2.0])
+
+
+def config(mode: str, backend: str = "uni") -> EngineConfig:
+    return EngineConfig(
+        pipeline="testing-faults",
+        device="cpu",
+        max_num_seqs=3,
+        execution_mode=mode,
+        executor_backend=backend,
+        streaming_output=True,
+        preview_interval=1,
+    )
+
+
+def core_harness(mode: str, backend: str = "uni") -> type[CoreLifecycleMachine]:
+    return core_lifecycle_machine(
+        lambda: config(mode, backend),
         prompts=st.sampled_from(["cat", "dog", 7]),
         failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
-        # Step mode needs requests that stay running long enough to be aborted mid-flight.
-        params=sampling_params(steps=(1, 3) if mode == "request" else (2, 6), outputs=(1, 2)),
+        fatal_prompts=st.just("device-fault") if backend == "uni" else None,
+        params=params(mode),
+        # On mp a microsecond is too short for any reply: the late one must be dropped.
+        rpc_timeouts=st.sampled_from([1e-6, None, 5.0]),
+    )
+
+
+def front_harness(mode: str) -> type[EngineLifecycleMachine]:
+    machine = lifecycle_machine(
+        lambda: front_config(mode),
+        prompts=st.sampled_from(["cat", "dog", 7]),
+        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
+        params=params(mode),
     )
     machine.read_timeout_s = 3.0  # a hung stream fails the example instead of the suite
     return machine
 
 
+def front_config(mode: str) -> EngineConfig:
+    return EngineConfig(pipeline="testing-faults", device="cpu", max_num_seqs=3, execution_mode=mode)
+
+
+def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
+    if target == "front":
+        return front_harness(mode)
+    return core_harness(mode, "mp" if target == "mp" else "uni")
+
+
 def test_catalogue_is_large_and_named_uniquely() -> None:
-    assert len(CATALOGUE) >= 12
+    assert len(CATALOGUE) >= 30
     assert len({m.name for m in CATALOGUE}) == len(CATALOGUE)
+    assert {m.target for m in CATALOGUE} == {"core", "mp", "front"}
+    assert FAST_SUBSET <= {m.name for m in CATALOGUE}
 
 
 @pytest.mark.parametrize("mode", ["request", "step"])
-def test_the_real_runtime_passes(mode: str) -> None:
-    assert hunt(None, harness(mode), max_examples=MAX_EXAMPLES) is None
+@pytest.mark.parametrize("target", ["core", "front"])
+def test_the_real_runtime_passes_and_reaches_every_path(target: str, mode: str) -> None:
+    machine = harness_for(target, mode)
+    assert hunt(None, machine, max_examples=MAX_EXAMPLES) is None
+    required = dict(REQUIRED_REACH[target])
+    if target == "core" and mode == "step":
+        required.update(REQUIRED_REACH["step"])
+    reach = machine.reach  # type: ignore[attr-defined]
+    print(reach.table())
+    assert not reach.missing(required), f"paths reached too rarely: {reach.missing(required)}"
     assert engine_threads() == []
 
 
-@pytest.mark.parametrize("mutation", CATALOGUE, ids=lambda m: m.name)
-def test_the_harness_catches(mutation: Mutation, record_property: object) -> None:
-    examples = hunt(mutation, harness(mutation.mode), max_examples=MAX_EXAMPLES)
-    assert examples is not None, f"the harness missed: {mutation.bug}"
-    print(f"{mutation.name}: caught after {examples} example(s)")
+def test_the_real_runtime_passes_on_mp() -> None:
+    machine = core_harness("step", "mp")
+    assert hunt(None, machine, max_examples=MP_EXAMPLES) is None
+    print(machine.reach.table())
+    assert not machine.reach.missing(REQUIRED_REACH["mp"]), machine.reach.table()
+
+
+def catch(mutation: Mutation) -> None:
+    examples = MP_EXAMPLES if mutation.target == "mp" else MAX_EXAMPLES
+    start = time.monotonic()
+    caught = hunt(mutation, harness_for(mutation.target, mutation.mode), max_examples=examples)
+    elapsed = time.monotonic() - start
+    assert caught is not None, f"the harness missed: {mutation.bug}"
+    print(f"{mutation.name}: caught after {caught} example(s) in {elapsed:.1f} s")
+    assert elapsed < CATCH_LIMIT_S, f"{mutation.name} took {elapsed:.0f} s to catch"
     assert engine_threads() == []
+
+
+@pytest.mark.parametrize(
+    "mutation", [m for m in CATALOGUE if m.name in FAST_SUBSET], ids=lambda m: m.name
+)
+def test_the_harness_catches(mutation: Mutation) -> None:
+    catch(mutation)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mutation", [m for m in CATALOGUE if m.name not in FAST_SUBSET], ids=lambda m: m.name
+)
+def test_the_harness_catches_the_rest(mutation: Mutation) -> None:
+    catch(mutation)

@@ -71,6 +71,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
     prompts: ClassVar[st.SearchStrategy[Any]] = st.sampled_from(["a", "b", 7])
     params: ClassVar[st.SearchStrategy[SamplingParams]] = sampling_params()
     failing_prompts: ClassVar[st.SearchStrategy[Any] | None] = None
+    #: Prompts whose request kills the executor (a sticky device fault).
+    fatal_prompts: ClassVar[st.SearchStrategy[Any] | None] = None
     rpc_timeouts: ClassVar[st.SearchStrategy[float | None]] = st.sampled_from([None, 1e-4, 5.0])
     scheduler_cls: ClassVar[type[BaseScheduler] | None] = None
     executor_cls: ClassVar[type[DiffusionExecutor] | None] = None
@@ -98,6 +100,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self.terminals: dict[str, int] = {}
         self.closed = False
         self.dead = False
+        self._rpc_calls = 0
         self._next_id = 0
         self.core.machine.subscribe(self._record)
         self.oracle = DirectOracle.for_config(config)
@@ -167,31 +170,54 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 f"{rid!r} was {state} and is {self.states[rid]} after abort() returned"
             )
 
+    @precondition(
+        lambda self: self._alive
+        and any(s is RequestStatus.RUNNING for s in self.states.values())
+    )
+    @rule(data=st.data())
+    def abort_a_running_request(self, data: st.DataObject) -> None:
+        running = sorted(r for r, s in self.states.items() if s is RequestStatus.RUNNING)
+        self.abort(data.draw(st.sampled_from(running), label="running id"))
+
     @precondition(lambda self: self._alive)
     @rule(rid=requests)
     def abort_during_a_wave(self, rid: str) -> None:
         """An abort that arrives while the workers run a wave wins over its results."""
 
+        active_when_aborted: list[bool] = []
+
         def late_abort() -> None:
             if self.states.get(rid) is RequestStatus.RUNNING:
                 self.reach.note("path: abort of a running request during its wave")
+            active_when_aborted.append(self._is_active(rid))
             self._abort(rid)
 
         self._step(late_aborts=late_abort)
+        if self.core.last_step_executed:
+            assert active_when_aborted, "the core ran a wave without applying late aborts"
+        if any(active_when_aborted):
+            assert self.states[rid] is RequestStatus.FINISHED_ABORTED, (
+                f"{rid!r} was aborted during a wave but ended {self.states[rid]}"
+            )
 
     @precondition(lambda self: self._alive)
     @rule(data=st.data())
     def rpc(self, data: st.DataObject) -> None:
-        """A worker RPC, perhaps with a timeout too short to meet; the answer is never stale."""
+        """A worker RPC, perhaps with a timeout too short to meet; no answer is stale."""
         timeout = data.draw(self.rpc_timeouts, label="timeout")
         try:
-            held = self.core.collective_rpc(
-                "cached_request_ids", timeout=timeout, unique_reply_rank=0
-            )
-        except RPCError:
-            self.reach.note("path: RPC refused or timed out")
+            self._rpc_calls += 1  # a call that times out still runs on the worker
+            answer = self.core.collective_rpc("rpc_sequence", timeout=timeout, unique_reply_rank=0)
+        except RPCError as exc:
+            if "refuses a finite timeout" in str(exc):
+                self._rpc_calls -= 1
+                self.reach.note("path: RPC timeout refused")
+            else:
+                self.reach.note("path: RPC timed out")
             return
         self.reach.note("path: RPC answered")
+        assert answer == self._rpc_calls, f"RPC call {self._rpc_calls} got answer {answer!r}"
+        held = self.core.collective_rpc("cached_request_ids", unique_reply_rank=0)
         running = {rid for rid, s in self.states.items() if s is RequestStatus.RUNNING}
         if self.config.resolved_mode == "step":
             assert set(held) == running, f"RPC answered {sorted(held)}; running {sorted(running)}"
@@ -202,12 +228,28 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         for kill in self.worker_killer:
             kill(self.core)
         self.reach.note("rule: kill a worker")
+        self._run_until_death()
+
+    @precondition(
+        lambda self: self.fatal_prompts is not None and self._alive and len(self.records) >= 6
+    )
+    @rule(data=st.data())
+    def add_fatal(self, data: st.DataObject) -> None:
+        """A request whose device fault kills the executor, with whatever else is queued."""
+        assert self.fatal_prompts is not None
+        self._add(data, data.draw(self.fatal_prompts), data.draw(self.params), True)
+        if any(self._is_active(rid) for rid in self.records):
+            self.reach.note("path: death with other requests active")
+        self._run_until_death()
+
+    def _run_until_death(self) -> None:
         try:
             self._run_until_idle()
         except EngineDeadError:
-            self.dead = True
-        assert self.dead, "the engine did not notice its worker died"
-        assert all(s in TERMINAL_STATES for s in self.states.values()), "death left requests open"
+            pass
+        assert self.dead, "the engine did not notice its executor died"
+        still_open = sorted(rid for rid in self.records if self._is_active(rid))
+        assert not still_open, f"death left requests open: {still_open}"
 
     @precondition(lambda self: self._alive and len(self.records) >= 2)
     @rule()
@@ -418,6 +460,7 @@ def core_lifecycle_machine(
     prompts: st.SearchStrategy[Any] | None = None,
     params: st.SearchStrategy[SamplingParams] | None = None,
     failing_prompts: st.SearchStrategy[Any] | None = None,
+    fatal_prompts: st.SearchStrategy[Any] | None = None,
     rpc_timeouts: st.SearchStrategy[float | None] | None = None,
     scheduler_cls: type[BaseScheduler] | None = None,
     executor_cls: type[DiffusionExecutor] | None = None,
@@ -429,13 +472,15 @@ def core_lifecycle_machine(
 
     ``prompts`` and ``params`` generate valid requests; ``failing_prompts``
     requests the pipeline is known to fail (they also excuse their wave
-    mates); ``scheduler_cls`` and ``executor_cls`` plug in your own
+    mates); ``fatal_prompts`` requests whose device fault kills the executor;
+    ``scheduler_cls`` and ``executor_cls`` plug in your own
     components; ``worker_killer`` kills a worker of a multi-process engine;
     ``oracle_tolerance`` allows an absolute difference from the direct run.
     """
     attributes: dict[str, Any] = {
         "config_factory": staticmethod(config),
         "failing_prompts": failing_prompts,
+        "fatal_prompts": fatal_prompts,
         "scheduler_cls": scheduler_cls,
         "executor_cls": executor_cls,
         "worker_killer": (worker_killer,) if worker_killer else (),

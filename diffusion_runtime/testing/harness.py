@@ -40,11 +40,12 @@ from hypothesis.stateful import (
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.errors import DuplicateRequestError, EngineClosedError, EngineDeadError
-from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent
+from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
 from diffusion_runtime.fsm.audit import Auditor
 from diffusion_runtime.fsm.events import TraceEvent
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.testing.reach import Reach
 from diffusion_runtime.testing.strategies import sampling_params
 
 
@@ -63,6 +64,7 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     worker_killer: ClassVar[tuple[Callable[[DiffusionEngine], None], ...]] = ()
     check_solo: ClassVar[bool] = True
     read_timeout_s: ClassVar[float] = 30.0
+    reach: ClassVar[Reach] = Reach()
 
     requests = Bundle("requests")
 
@@ -77,6 +79,8 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         self.closed = False
         self.killed = False
         self.paused = False
+        #: Ids whose consumer left while they were active, with that admission's number.
+        self.must_abort: dict[str, int] = {}
         self.engine = self.build_engine()
         self.engine.machine.subscribe(self._record)
 
@@ -158,12 +162,44 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         self.engine.resume()
         self.paused = False
 
-    @precondition(lambda self: self.unread)
+    @precondition(lambda self: self.unread and not self.closed and not self.killed)
     @rule(data=st.data())
     def drop_consumer(self, data: st.DataObject) -> None:
+        """A consumer leaves while the loop is held; if its request was active,
+        it must end ABORTED once the loop runs again."""
         rid = data.draw(st.sampled_from(sorted(self.unread)))
         self.unread.discard(rid)
+        held = not self.paused
+        if held:
+            self.engine.pause()
+        self.engine.snapshot()  # runs between two steps: no wave is in flight after it
+        events = self._events_of(rid)
+        if events and not events[-1].dest.is_finished:
+            self.must_abort[rid] = len([e for e in events if e.source is None])
+            self.reach.note("path: consumer dropped while its request was active")
         self._run(self._read_then_leave(rid))
+        if held:
+            self.engine.resume()
+
+    @precondition(lambda self: self.unread and not self.closed and not self.killed)
+    @rule()
+    def close_with_blocked_readers(self) -> None:
+        """Readers wait on their streams when close() runs: each must end."""
+        readers = {rid: self.loop.create_task(self._read(rid)) for rid in sorted(self.unread)}
+        self.unread.clear()
+        self.loop.run_until_complete(asyncio.sleep(0))  # each reader runs up to its first wait
+        if any(not task.done() for task in readers.values()):
+            self.reach.note("path: close with blocked readers")
+        self.engine.close()
+        self.closed = True
+        done, pending = self.loop.run_until_complete(
+            asyncio.wait(readers.values(), timeout=self.read_timeout_s)
+        )
+        for task in pending:
+            task.cancel()
+        assert not pending, f"streams still open after close: {sorted(readers)}"
+        for task in done:
+            task.result()
 
     @precondition(lambda self: not self.paused)
     @rule()
@@ -223,6 +259,13 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     # -- checks ------------------------------------------------------------------------
 
     def _check_final_states(self) -> None:
+        for rid, admission in self.must_abort.items():
+            ends = [e for e in self._events_of(rid) if e.dest in TERMINAL_STATES]
+            if len(ends) >= admission and not self.killed:
+                end = ends[admission - 1]
+                assert end.dest is RequestStatus.FINISHED_ABORTED, (
+                    f"{rid!r}: its consumer left while it was active, yet it ended {end.dest}"
+                )
         terminal = [e.request_id for e in self.lifecycle if e.dest in TERMINAL_STATES]
         admitted = [e.request_id for e in self.lifecycle if e.source is None]
         assert sorted(terminal) == sorted(admitted), "every admission ends in one terminal state"
@@ -324,6 +367,7 @@ def lifecycle_machine(
         "check_solo": check_solo,
         "failing_prompts": failing_prompts,
         "worker_killer": (worker_killer,) if worker_killer else (),
+        "reach": Reach(),
     }
     if prompts is not None:
         attributes["prompts"] = prompts

@@ -9,7 +9,7 @@ unpatched runtime and requires it to pass.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -29,6 +29,8 @@ from diffusion_runtime.runner.model_runner import ModelRunner
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+from diffusion_runtime.testing.patching import replace_attribute as _replace
+from diffusion_runtime.testing.policy_mutations import POLICY_MUTATIONS
 
 
 @attrs.frozen
@@ -39,17 +41,9 @@ class Mutation:
     bug: str
     mode: str
     patch: Callable[[], contextlib.AbstractContextManager[None]]
-
-
-@contextlib.contextmanager
-def _replace(owner: type, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    """Replace ``owner.name`` with ``make(original)`` for the duration of the context."""
-    original = owner.__dict__[name]
-    setattr(owner, name, make(original))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
+    #: What the harness drives: ``"core"`` (an EngineCore, uni), ``"mp"`` (an
+    #: EngineCore over the mp executor) or ``"front"`` (a DiffusionEngine).
+    target: str = "core"
 
 
 def results_by_position() -> contextlib.AbstractContextManager[None]:
@@ -233,7 +227,7 @@ def error_output_never_delivered() -> contextlib.AbstractContextManager[None]:
     return _replace(EngineCore, "_step", make)
 
 
-CATALOGUE: tuple[Mutation, ...] = (
+_FIRST_CATALOGUE: tuple[Mutation, ...] = (
     Mutation(
         "results-by-position",
         "results mapped to requests by batch position",
@@ -263,6 +257,7 @@ CATALOGUE: tuple[Mutation, ...] = (
         "open streams are never woken on close",
         "request",
         stream_not_woken_on_close,
+        target="front",
     ),
     Mutation(
         "shared-generator",
@@ -299,6 +294,12 @@ CATALOGUE: tuple[Mutation, ...] = (
         "request",
         error_output_never_delivered,
     ),
+)
+
+
+#: Every mutation the harness must catch.
+CATALOGUE: tuple[Mutation, ...] = _FIRST_CATALOGUE + tuple(
+    Mutation(name, bug, mode, patch, target) for name, bug, mode, target, patch in POLICY_MUTATIONS
 )
 
 

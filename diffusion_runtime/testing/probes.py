@@ -11,10 +11,17 @@ PROBE_PATH = "diffusion_runtime.testing.probes:HeldStateProbe"
 
 class HeldStateProbe:
     """``pipeline_held_request_ids()``: the ids from the pipeline's optional
-    ``held_request_ids()`` (empty for a pipeline without one)."""
+    ``held_request_ids()`` (empty for a pipeline without one).
+    ``rpc_sequence()``: how many times it was called, so a caller can tell a
+    stale reply from a fresh one."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
+        self._calls = 0
+
+    def rpc_sequence(self) -> int:
+        self._calls += 1
+        return self._calls
 
     def pipeline_held_request_ids(self) -> list[str]:
         held = getattr(self.worker.pipeline, "held_request_ids", None)

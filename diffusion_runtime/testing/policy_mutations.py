@@ -1,0 +1,355 @@
+"""More broken runtimes: scheduling policy, the runner's step loop, aborts,
+close and death, the mp executor's replies and bookkeeping, and the front's
+consumers. Each is a bug class written the way it would slip in, not the
+mirror image of a check; ``docs/auditing.md`` says which check catches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import attrs
+
+from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
+from diffusion_runtime.core import EngineCore
+from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.executor.mp.calls import CallTable, RpcCall
+from diffusion_runtime.executor.mp.executor import MultiprocExecutor
+from diffusion_runtime.executor.mp.messages import Reply
+from diffusion_runtime.fsm import Trigger
+from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.pipelines.protocols import PipelineRequest, StepPipeline
+from diffusion_runtime.runner.model_runner import ModelRunner
+from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.scheduler.base import BaseScheduler, Ended
+from diffusion_runtime.scheduler.request import Request
+from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+from diffusion_runtime.scheduler.step_scheduler import StepScheduler
+from diffusion_runtime.testing.patching import replace_attribute as _replace
+
+Patch = contextlib.AbstractContextManager[None]
+
+
+# -- scheduling policy ---------------------------------------------------------------------
+
+
+def wave_ignores_running_requests() -> Patch:
+    def make(original: Any) -> Any:
+        def next_wave(self: BaseScheduler) -> list[Request]:
+            saved, self.running = self.running, {}  # "capacity is per wave, not per engine"
+            try:
+                wave: list[Request] = original(self)
+            finally:
+                self.running = saved
+            key = next(iter(self.running.values()), None)
+            return [r for r in wave if key is None or r.batch_key == key.batch_key]
+
+        return next_wave
+
+    return _replace(BaseScheduler, "next_wave", make)
+
+
+def request_waves_mix_step_counts() -> Patch:
+    def make(original: Any) -> Any:
+        def batch_key_for(self: RequestScheduler, params: SamplingParams) -> Hashable:
+            return params.step_batch_key()  # "the pipeline handles mixed step counts anyway"
+
+        return batch_key_for
+
+    return _replace(BaseScheduler, "batch_key_for", make)
+
+
+def wave_skips_incompatible_requests() -> Patch:
+    def make(original: Any) -> Any:
+        def next_wave(self: BaseScheduler) -> list[Request]:
+            capacity = self.max_num_running_reqs - len(self.running)
+            # "skip what does not fit instead of blocking the queue" - but forgets the key
+            return list(self.waiting.values())[: max(capacity, 0)]
+
+        return next_wave
+
+    return _replace(BaseScheduler, "next_wave", make)
+
+
+def duplicate_id_admitted() -> Patch:
+    def make(original: Any) -> Any:
+        def add_request(self: BaseScheduler, request: Request) -> None:
+            # "the front already checks ids" - so a second request replaces the first
+            old = self.requests.pop(request.request_id, None)
+            if old is not None:
+                self.waiting.pop(request.request_id, None)
+                self.running.pop(request.request_id, None)
+            original(self, request)
+
+        return add_request
+
+    return _replace(BaseScheduler, "add_request", make)
+
+
+def running_abort_ignored() -> Patch:
+    def make(original: Any) -> Any:
+        def abort_request(self: BaseScheduler, request_id: str, reason: str) -> Ended | None:
+            if request_id in self.running and self.keeps_runner_state:
+                return None  # "a running step-mode request is nearly done: let it finish"
+            result: Ended | None = original(self, request_id, reason)
+            return result
+
+        return abort_request
+
+    return _replace(BaseScheduler, "abort_request", make)
+
+
+def completes_one_step_early() -> Patch:
+    def make(original: Any) -> Any:
+        def update(self: StepScheduler, output: SchedulerOutput, result: RunnerOutput) -> list:
+            for request_id, (step, total) in list(result.progress.items()):
+                if step == total - 1 and request_id not in result.errors:
+                    # "the last step only decodes": report it done a step early
+                    result.progress[request_id] = (total, total)
+            ended: list[Ended] = original(self, output, result)
+            return ended
+
+        return update
+
+    return _replace(StepScheduler, "update_from_output", make)
+
+
+# -- the runner's step loop ------------------------------------------------------------------
+
+
+def first_step_taken_twice() -> Patch:
+    def make(original: Any) -> Any:
+        def advance(
+            self: ModelRunner, pipeline: StepPipeline, state: Any, output: Any, result: Any
+        ) -> None:
+            if state.step_index == 0 and state.num_steps > 2:  # "warm start: two steps at first"
+                pipeline.step_scheduler(state, output)
+            original(self, pipeline, state, output, result)
+
+        return advance
+
+    return _replace(ModelRunner, "_advance", make)
+
+
+def one_step_short() -> Patch:
+    def make(original: Any) -> Any:
+        def pipeline_request(self: ModelRunner, data: NewRequestData) -> PipelineRequest:
+            request: PipelineRequest = original(self, data)
+            steps = data.params.num_inference_steps
+            if steps > 1:  # "the last timestep adds nothing visible"
+                request.params = attrs.evolve(data.params, num_inference_steps=steps - 1)
+            return request
+
+        return pipeline_request
+
+    return _replace(ModelRunner, "_pipeline_request", make)
+
+
+def seed_dropped_on_the_way() -> Patch:
+    def make(original: Any) -> Any:
+        def pipeline_request(self: ModelRunner, data: NewRequestData) -> PipelineRequest:
+            # "reproducible by default": every request gets the same seed
+            return PipelineRequest(data.request_id, data.prompt, data.params, 0, self.device)
+
+        return pipeline_request
+
+    return _replace(ModelRunner, "_pipeline_request", make)
+
+
+def failed_step_state_kept() -> Patch:
+    def make(original: Any) -> Any:
+        def release(self: ModelRunner, request_ids: Any) -> list[str]:
+            keep = {rid for rid in request_ids if rid in self.states and not self.states[rid].is_done}
+            # "a failed request may be retried: keep its state" (only finished ones go)
+            released: list[str] = original(self, [r for r in request_ids if r not in keep])
+            return released
+
+        return release
+
+    return _replace(ModelRunner, "_release", make)
+
+
+# -- outputs, aborts, close and death in the core ----------------------------------------------
+
+
+def preview_marked_final() -> Patch:
+    def make(original: Any) -> Any:
+        def progress_outputs(self: EngineCore, result: RunnerOutput) -> list[RequestOutput]:
+            outputs: list[RequestOutput] = original(self, result)
+            # "the last preview is as good as the final image"
+            return [
+                attrs.evolve(o, finished=o.num_steps is not None and o.step == o.num_steps - 1)
+                for o in outputs
+            ]
+
+        return progress_outputs
+
+    return _replace(EngineCore, "_progress_outputs", make)
+
+
+def waiting_abort_output_lost() -> Patch:
+    def make(original: Any) -> Any:
+        def abort(self: EngineCore, request_ids: Any, reason: str) -> None:
+            waiting = [rid for rid in request_ids if rid in self.scheduler.waiting]
+            before = len(self._pending)
+            original(self, request_ids, reason)
+            # "a request that never ran has nothing to report"
+            self._pending[before:] = [o for o in self._pending[before:] if o.request_id not in waiting]
+
+        return abort
+
+    return _replace(EngineCore, "_abort", make)
+
+
+def late_aborts_never_applied() -> Patch:
+    def make(original: Any) -> Any:
+        def step(self: EngineCore, late_aborts: Any) -> list[RequestOutput]:
+            outputs: list[RequestOutput] = original(self, None)  # "aborts wait for the next tick"
+            return outputs
+
+        return step
+
+    return _replace(EngineCore, "_step", make)
+
+
+def late_aborts_after_results() -> Patch:
+    def make(original: Any) -> Any:
+        def step(self: EngineCore, late_aborts: Any) -> list[RequestOutput]:
+            outputs: list[RequestOutput] = original(self, None)
+            if late_aborts is not None:  # "apply them once the wave is committed"
+                late_aborts()
+            return outputs
+
+        return step
+
+    return _replace(EngineCore, "_step", make)
+
+
+def close_skips_waiting_requests() -> Patch:
+    def make(original: Any) -> Any:
+        def finish_all(self: BaseScheduler, trigger: Trigger, reason: str) -> list[Ended]:
+            # "waiting requests never started: nothing to end"
+            saved = dict(self.waiting)
+            for rid in saved:
+                del self.requests[rid]
+            self.waiting.clear()
+            try:
+                ended: list[Ended] = original(self, trigger, reason)
+            finally:
+                for rid, request in saved.items():
+                    self.requests[rid] = request
+                    self.waiting[rid] = request
+            return ended
+
+        return finish_all
+
+    return _replace(BaseScheduler, "finish_all", make)
+
+
+def death_spares_waiting_requests() -> Patch:
+    def make(original: Any) -> Any:
+        def die(self: EngineCore, error: Any) -> None:
+            saved = dict(self.scheduler.waiting)  # "only running requests were on the device"
+            for rid in saved:
+                del self.scheduler.requests[rid]
+            self.scheduler.waiting.clear()
+            original(self, error)
+            self.scheduler.requests.update(saved)
+            self.scheduler.waiting.update(saved)
+
+        return die
+
+    return _replace(EngineCore, "_die", make)
+
+
+# -- the mp executor (engine side) ----------------------------------------------------------
+
+
+def stale_reply_taken() -> Patch:
+    def make(original: Any) -> Any:
+        def on_reply(self: CallTable, reply: Reply) -> None:
+            if reply.call_id not in self._calls:
+                # "a reply with an unknown id belongs to the call waiting now"
+                waiting = [c for c in self._calls.values() if isinstance(c, RpcCall)]
+                if waiting and reply.error is None:
+                    reply = attrs.evolve(reply, call_id=waiting[-1].call_id)
+            original(self, reply)
+
+        return on_reply
+
+    return _replace(CallTable, "on_reply", make)
+
+
+def release_only_output_not_sent() -> Patch:
+    def make(original: Any) -> Any:
+        def execute(self: MultiprocExecutor, output: SchedulerOutput) -> RunnerOutput:
+            if not output.has_work:  # "nothing to run: save the round trip"
+                return RunnerOutput(output.wave_id)
+            result: RunnerOutput = original(self, output)
+            return result
+
+        return execute
+
+    return _replace(MultiprocExecutor, "execute", make)
+
+
+# -- the front's consumers --------------------------------------------------------------------
+
+
+def dropped_consumer_not_aborted() -> Patch:
+    def make(original: Any) -> Any:
+        def abort_for(self: DiffusionEngine, request_ids: Any, sink: Any, reason: str) -> None:
+            if reason == "the consumer stopped reading":
+                return  # "the result is cheap to finish; drop it at delivery"
+            original(self, request_ids, sink, reason)
+
+        return abort_for
+
+    return _replace(DiffusionEngine, "_abort_for", make)
+
+
+MutationSpec = tuple[str, str, str, str, Callable[[], Patch]]
+
+#: ``(name, bug, mode, target, patch)``; the catalogue in :mod:`.mutations` builds them.
+POLICY_MUTATIONS: tuple[MutationSpec, ...] = (
+    ("wave-over-capacity", "a wave ignores the requests already running", "step", "core",
+     wave_ignores_running_requests),
+    ("request-waves-mix-steps", "request-mode waves batch different step counts", "request",
+     "core", request_waves_mix_step_counts),
+    ("wave-ignores-key", "a wave takes incompatible requests", "step", "core",
+     wave_skips_incompatible_requests),
+    ("duplicate-id-admitted", "the scheduler admits an id that is in use", "request", "core",
+     duplicate_id_admitted),
+    ("running-abort-ignored", "a running step-mode request ignores its abort", "step", "core",
+     running_abort_ignored),
+    ("completes-a-step-early", "a request completes one step early", "step", "core",
+     completes_one_step_early),
+    ("first-step-twice", "the runner takes a new request's first step twice", "step", "core",
+     first_step_taken_twice),
+    ("one-step-short", "the runner runs one denoising step fewer than asked", "request",
+     "core", one_step_short),
+    ("seed-dropped", "the runner hands every request the same seed", "request", "core",
+     seed_dropped_on_the_way),
+    ("failed-step-state-kept", "runner state of a failed step-mode request is kept", "step",
+     "core", failed_step_state_kept),
+    ("preview-marked-final", "the last preview goes out as a final output", "step", "core",
+     preview_marked_final),
+    ("waiting-abort-output-lost", "an aborted waiting request gets no final output",
+     "request", "core", waiting_abort_output_lost),
+    ("late-aborts-never-applied", "aborts during a wave are not applied", "request", "core",
+     late_aborts_never_applied),
+    ("late-aborts-after-results", "aborts during a wave lose to its results", "request",
+     "core", late_aborts_after_results),
+    ("close-skips-waiting", "close leaves waiting requests open", "request", "core",
+     close_skips_waiting_requests),
+    ("death-spares-waiting", "death leaves waiting requests open", "request", "core",
+     death_spares_waiting_requests),
+    ("mp-stale-reply-taken", "an mp reply to a timed-out RPC answers the next call",
+     "step", "mp", stale_reply_taken),
+    ("mp-release-not-sent", "mp skips outputs that only release finished ids", "step",
+     "mp", release_only_output_not_sent),
+    ("dropped-consumer-not-aborted", "a consumer that stops reading does not abort",
+     "step", "front", dropped_consumer_not_aborted),
+)  # fmt: skip
