@@ -73,7 +73,7 @@ def config(mode: str, backend: str = "uni") -> EngineConfig:
         max_num_seqs=3,
         execution_mode=mode,
         executor_backend=backend,
-        streaming_output=True,
+        streaming_output=mode == "step",  # streaming selects step mode
         preview_interval=1,
     )
 
@@ -132,6 +132,7 @@ def test_the_real_runtime_passes_and_reaches_every_path(target: str, mode: str) 
     assert engine_threads() == []
 
 
+@pytest.mark.slow
 def test_the_real_runtime_passes_on_mp() -> None:
     machine = core_harness("step", "mp")
     assert hunt(None, machine, max_examples=MP_EXAMPLES) is None

@@ -100,6 +100,9 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self.terminals: dict[str, int] = {}
         self.closed = False
         self.dead = False
+        self.fatal_admitted = False
+        self.last_wave_id: int | None = None
+        self.ended_in_wave: dict[int | None, set[str]] = {}
         self._rpc_calls = 0
         self._next_id = 0
         self.core.machine.subscribe(self._record)
@@ -157,7 +160,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:
         for _ in range(data.draw(st.integers(1, 3), label="steps")):
-            self._step()
+            if not self.dead:
+                self._step()
 
     @precondition(lambda self: self._alive)
     @rule(rid=requests)
@@ -187,12 +191,19 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         active_when_aborted: list[bool] = []
 
         def late_abort() -> None:
+            committed = self.ended_in_wave.get(self.last_wave_id, set())
+            assert not committed, (
+                f"wave {self.last_wave_id} committed results for {sorted(committed)} "
+                "before its late aborts ran"
+            )
             if self.states.get(rid) is RequestStatus.RUNNING:
                 self.reach.note("path: abort of a running request during its wave")
             active_when_aborted.append(self._is_active(rid))
             self._abort(rid)
 
         self._step(late_aborts=late_abort)
+        if self.dead:
+            return
         if self.core.last_step_executed:
             assert active_when_aborted, "the core ran a wave without applying late aborts"
         if any(active_when_aborted):
@@ -230,17 +241,13 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self.reach.note("rule: kill a worker")
         self._run_until_death()
 
-    @precondition(
-        lambda self: self.fatal_prompts is not None and self._alive and len(self.records) >= 6
-    )
+    @precondition(lambda self: self.fatal_prompts is not None and self._alive)
     @rule(data=st.data())
     def add_fatal(self, data: st.DataObject) -> None:
-        """A request whose device fault kills the executor, with whatever else is queued."""
+        """A request whose device fault will kill the executor when its wave runs."""
         assert self.fatal_prompts is not None
         self._add(data, data.draw(self.fatal_prompts), data.draw(self.params), True)
-        if any(self._is_active(rid) for rid in self.records):
-            self.reach.note("path: death with other requests active")
-        self._run_until_death()
+        self.fatal_admitted = True
 
     def _run_until_death(self) -> None:
         try:
@@ -248,6 +255,11 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         except EngineDeadError:
             pass
         assert self.dead, "the engine did not notice its executor died"
+
+    def _check_death(self, active_before: int) -> None:
+        """Death fails every request it finds open: none is left waiting or running."""
+        if active_before > 1:
+            self.reach.note("path: death with other requests active")
         still_open = sorted(rid for rid in self.records if self._is_active(rid))
         assert not still_open, f"death left requests open: {still_open}"
 
@@ -299,6 +311,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         try:
             if self._alive:
                 self._run_until_idle()
+            if self._alive:
                 held = self._pipeline_held()
                 assert not held, f"the pipeline holds state after every request ended: {held}"
             self._check_outcomes()
@@ -385,15 +398,18 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self.core.abort([rid])
 
     def _step(self, late_aborts: Callable[[], None] | None = None) -> None:
+        active_before = sum(1 for rid in self.records if self._is_active(rid))
         try:
             self._take(self.core.step(late_aborts))
         except EngineDeadError:
             self.dead = True
-            raise
+            self._check_death(active_before)
+            if not (self.fatal_admitted or self.worker_killer):
+                raise
 
     def _run_until_idle(self) -> None:
         for _ in range(self.max_steps_to_idle):
-            if not self.core.has_unfinished():
+            if self.dead or not self.core.has_unfinished():
                 return
             self._step()
         raise AssertionError(f"the engine still had work after {self.max_steps_to_idle} steps")
@@ -424,7 +440,11 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 self.admissions[rid] = self.admissions.get(rid, 0) + 1
             elif event.dest in TERMINAL_STATES:
                 self.terminals[rid] = self.terminals.get(rid, 0) + 1
+                if event.wave_id is not None:
+                    self.ended_in_wave.setdefault(event.wave_id, set()).add(rid)
         elif isinstance(event, WaveEvent):
+            self.last_wave_id = event.wave_id
+            self.ended_in_wave.pop(event.wave_id - 1, None)
             for rid in event.scheduled_ids:
                 record = self.records.get(rid)
                 if record is not None:
