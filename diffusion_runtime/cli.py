@@ -222,9 +222,18 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from diffusion_runtime.fsm.trace import read_trace
 
     try:
-        violations = audit_events(read_trace(args.trace))
+        events = list(read_trace(args.trace))
     except OSError as exc:
         raise CommandError(f"cannot read the trace {args.trace!r}: {exc.strerror}") from None
+    violations = audit_events(events)
+    if args.perfetto is not None:
+        from diffusion_runtime.fsm.perfetto import chrome_trace
+
+        try:
+            with open(args.perfetto, "w", encoding="utf-8") as out:
+                json.dump(chrome_trace(events, violations), out)
+        except OSError as exc:
+            raise CommandError(f"cannot write {args.perfetto!r}: {exc.strerror}") from None
     for violation in violations:
         print(violation.describe())
     by_invariant: dict[str, int] = {}
@@ -309,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     audit = command("audit", "check a JSON-lines trace against the invariants")
     audit.add_argument("trace", help="a trace written with EngineConfig(trace_path=...)")
+    audit.add_argument(
+        "--perfetto",
+        metavar="OUT.json",
+        help="also write the trace as Chrome trace-event JSON (open it in ui.perfetto.dev)",
+    )
     audit.set_defaults(func=cmd_audit)
 
     bench = command("bench", "run a benchmark and print JSON")

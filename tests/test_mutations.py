@@ -102,7 +102,9 @@ def front_harness(mode: str) -> type[EngineLifecycleMachine]:
 
 
 def front_config(mode: str) -> EngineConfig:
-    return EngineConfig(pipeline="testing-faults", device="cpu", max_num_seqs=3, execution_mode=mode)
+    return EngineConfig(
+        pipeline="testing-faults", device="cpu", max_num_seqs=3, execution_mode=mode
+    )
 
 
 def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
@@ -115,7 +117,7 @@ def test_catalogue_is_large_and_named_uniquely() -> None:
     assert len(CATALOGUE) >= 30
     assert len({m.name for m in CATALOGUE}) == len(CATALOGUE)
     assert {m.target for m in CATALOGUE} == {"core", "mp", "front"}
-    assert FAST_SUBSET <= {m.name for m in CATALOGUE}
+    assert {m.name for m in CATALOGUE} >= FAST_SUBSET
 
 
 @pytest.mark.parametrize("mode", ["request", "step"])

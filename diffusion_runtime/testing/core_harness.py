@@ -15,6 +15,7 @@ is left held. :class:`~diffusion_runtime.testing.reach.Reach` counts the paths r
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -175,8 +176,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             )
 
     @precondition(
-        lambda self: self._alive
-        and any(s is RequestStatus.RUNNING for s in self.states.values())
+        lambda self: self._alive and any(s is RequestStatus.RUNNING for s in self.states.values())
     )
     @rule(data=st.data())
     def abort_a_running_request(self, data: st.DataObject) -> None:
@@ -250,10 +250,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self.fatal_admitted = True
 
     def _run_until_death(self) -> None:
-        try:
+        with contextlib.suppress(EngineDeadError):
             self._run_until_idle()
-        except EngineDeadError:
-            pass
         assert self.dead, "the engine did not notice its executor died"
 
     def _check_death(self, active_before: int) -> None:

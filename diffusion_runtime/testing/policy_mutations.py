@@ -103,7 +103,9 @@ def running_abort_ignored() -> Patch:
 
 def completes_one_step_early() -> Patch:
     def make(original: Any) -> Any:
-        def update(self: StepScheduler, output: SchedulerOutput, result: RunnerOutput) -> list:
+        def update(
+            self: StepScheduler, output: SchedulerOutput, result: RunnerOutput
+        ) -> list[Ended]:
             for request_id, (step, total) in list(result.progress.items()):
                 if step == total - 1 and request_id not in result.errors:
                     # "the last step only decodes": report it done a step early
@@ -161,7 +163,9 @@ def seed_dropped_on_the_way() -> Patch:
 def failed_step_state_kept() -> Patch:
     def make(original: Any) -> Any:
         def release(self: ModelRunner, request_ids: Any) -> list[str]:
-            keep = {rid for rid in request_ids if rid in self.states and not self.states[rid].is_done}
+            keep = {
+                rid for rid in request_ids if rid in self.states and not self.states[rid].is_done
+            }
             # "a failed request may be retried: keep its state" (only finished ones go)
             released: list[str] = original(self, [r for r in request_ids if r not in keep])
             return released
@@ -196,7 +200,9 @@ def waiting_abort_output_lost() -> Patch:
             before = len(self._pending)
             original(self, request_ids, reason)
             # "a request that never ran has nothing to report"
-            self._pending[before:] = [o for o in self._pending[before:] if o.request_id not in waiting]
+            self._pending[before:] = [
+                o for o in self._pending[before:] if o.request_id not in waiting
+            ]
 
         return abort
 
