@@ -597,6 +597,7 @@ def harness(max_examples: int) -> type[unittest.TestCase]:
     """The lifecycle harness (auditor, cleanup, solo-run equality) with a killed worker."""
     return lifecycle_test_case(
         harness_config,
+        target="front",
         prompts=st.sampled_from(["cat", "dog", 7]),
         failing_prompts=st.sampled_from(["fail", "missing"]),
         worker_killer=kill_rank_one,

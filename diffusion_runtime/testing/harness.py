@@ -40,11 +40,14 @@ from hypothesis.stateful import (
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.errors import DuplicateRequestError, EngineClosedError, EngineDeadError
+from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
 from diffusion_runtime.fsm.audit import Auditor
 from diffusion_runtime.fsm.events import TraceEvent
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.scheduler.base import BaseScheduler
+from diffusion_runtime.testing.core_harness import core_lifecycle_machine
 from diffusion_runtime.testing.reach import Reach
 from diffusion_runtime.testing.strategies import sampling_params
 
@@ -64,6 +67,8 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     worker_killer: ClassVar[tuple[Callable[[DiffusionEngine], None], ...]] = ()
     check_solo: ClassVar[bool] = True
     read_timeout_s: ClassVar[float] = 30.0
+    scheduler_cls: ClassVar[type[BaseScheduler] | None] = None
+    executor_cls: ClassVar[type[DiffusionExecutor] | None] = None
     reach: ClassVar[Reach] = Reach()
 
     requests = Bundle("requests")
@@ -86,7 +91,11 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
 
     def build_engine(self) -> DiffusionEngine:
         """The engine under test (a fresh one for every example)."""
-        return DiffusionEngine.make_engine(type(self).config_factory())
+        config = type(self).config_factory()
+        executor = self.executor_cls(config) if self.executor_cls is not None else None
+        return DiffusionEngine.make_engine(
+            config, scheduler_cls=self.scheduler_cls, executor=executor
+        )
 
     # -- rules -------------------------------------------------------------------------
 
@@ -354,36 +363,59 @@ def lifecycle_machine(
     failing_prompts: st.SearchStrategy[Any] | None = None,
     worker_killer: Callable[[DiffusionEngine], None] | None = None,
     check_solo: bool = True,
+    scheduler_cls: type[BaseScheduler] | None = None,
+    executor_cls: type[DiffusionExecutor] | None = None,
+    read_timeout_s: float | None = None,
     base: type[EngineLifecycleMachine] = EngineLifecycleMachine,
 ) -> type[EngineLifecycleMachine]:
-    """A harness class for engines built from ``config()``.
+    """A front harness class for engines built from ``config()``.
 
     ``prompts`` and ``params`` generate valid requests; ``failing_prompts``
     generates requests the pipeline is known to fail on; ``worker_killer``
-    kills a worker of a multi-process engine.
+    kills a worker of a multi-process engine; ``scheduler_cls`` and
+    ``executor_cls`` plug in your own components; ``read_timeout_s`` bounds
+    every wait for a stream.
     """
     attributes: dict[str, Any] = {
         "config_factory": staticmethod(config),
         "check_solo": check_solo,
         "failing_prompts": failing_prompts,
         "worker_killer": (worker_killer,) if worker_killer else (),
+        "scheduler_cls": scheduler_cls,
+        "executor_cls": executor_cls,
         "reach": Reach(),
     }
-    if prompts is not None:
-        attributes["prompts"] = prompts
-    if params is not None:
-        attributes["params"] = params
+    for name, value in (
+        ("prompts", prompts),
+        ("params", params),
+        ("read_timeout_s", read_timeout_s),
+    ):
+        if value is not None:
+            attributes[name] = value
     return type("ConfiguredLifecycle", (base,), attributes)
 
 
 def lifecycle_test_case(
     config: Callable[[], EngineConfig],
     *,
+    target: str = "core",
     settings: Settings | None = None,
     **options: Any,
 ) -> type[unittest.TestCase]:
-    """A ``unittest``/pytest test case running the harness (see :func:`lifecycle_machine`)."""
-    machine = lifecycle_machine(config, **options)
+    """A ``unittest``/pytest test case running a harness over engines built from ``config()``.
+
+    ``target="core"`` (the default) drives an engine core step by step,
+    deterministically (options: ``core_lifecycle_machine``); ``target="front"``
+    drives a :class:`DiffusionEngine` through its async API and threads
+    (options: :func:`lifecycle_machine`).
+    """
+    machine: type[RuleBasedStateMachine]
+    if target == "core":
+        machine = core_lifecycle_machine(config, **options)
+    elif target == "front":
+        machine = lifecycle_machine(config, **options)
+    else:
+        raise ValueError(f"target must be 'core' or 'front'; got {target!r}")
     if settings is not None:
         machine.TestCase.settings = settings
     return machine.TestCase
