@@ -68,6 +68,13 @@ class RequestPipeline(Protocol):
       cheap and free of shared mutable state.
     - ``warmup_request() -> (prompt, SamplingParams)``: a cheap request for start-up.
     - ``close() -> None``: release what the pipeline holds.
+    - ``held_request_ids() -> Iterable[str]``: ids of requests the pipeline
+      keeps state for; the harness checks it holds none for a finished request.
+    - ``release_requests(request_ids) -> None``: the runner is done with these
+      requests (after their forward in request mode; in step mode when it
+      drops their step state: finished, failed or aborted).
+    - ``seed_free = True``: the outputs do not depend on the seed (the harness
+      then skips its seed check).
     """
 
     supports_request_batch: bool

@@ -67,6 +67,7 @@ class ModelRunner:
         self.step_mode = step_mode
         self.preview_interval = preview_interval
         self._preview = getattr(pipeline, "preview", None) if preview_interval else None
+        self._release_in_pipeline = getattr(pipeline, "release_requests", None)
         self.states: dict[str, StepRequestState] = {}
         self.input_batch = InputBatch()
         self.host_copier = HostCopier(device, overlap=overlap_outputs)
@@ -92,6 +93,8 @@ class ModelRunner:
         released = [rid for rid in request_ids if states.pop(rid, None) is not None]
         if released:
             self.input_batch.invalidate()
+            if self._release_in_pipeline is not None:
+                self._release_in_pipeline(released)
         return released
 
     def cached_request_ids(self) -> list[str]:
@@ -110,6 +113,8 @@ class ModelRunner:
         else:
             for request in batch:
                 self._forward([request], result)
+        if self._release_in_pipeline is not None:
+            self._release_in_pipeline([request.request_id for request in batch])
 
     def _forward(self, batch: list[PipelineRequest], result: RunnerOutput) -> None:
         try:
