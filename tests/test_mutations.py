@@ -70,7 +70,7 @@ def config(mode: str, backend: str = "uni") -> EngineConfig:
     return EngineConfig(
         pipeline="testing-faults",
         device="cpu",
-        max_num_seqs=3,
+        max_num_seqs=2,  # small, so waves fill up and overfill when a policy is wrong
         execution_mode=mode,
         executor_backend=backend,
         streaming_output=mode == "step",  # streaming selects step mode

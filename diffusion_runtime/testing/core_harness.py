@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
@@ -39,6 +40,7 @@ from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
 from diffusion_runtime.fsm.audit import Auditor
 from diffusion_runtime.fsm.events import TraceEvent, WaveEvent
+from diffusion_runtime.fsm.trace import JsonlTraceWriter
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
@@ -59,6 +61,7 @@ class RequestRecord:
     params: SamplingParams
     seed: int
     failing: bool
+    fatal: bool = False
     aborted: bool = False
     final: RequestOutput | None = None
     waves: set[int] = attrs.field(factory=set)
@@ -82,6 +85,9 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
     oracle_tolerance: ClassVar[float] = 0.0
     #: Steps a quiet-down may take before the harness calls the engine stuck.
     max_steps_to_idle: ClassVar[int] = 500
+    #: Where each example writes its events (the last example run, the shrunk
+    #: failing one when there is a failure, is what the file holds).
+    trace_path: ClassVar[Path | None] = None
     reach: ClassVar[Reach] = Reach()
 
     requests = Bundle("requests")
@@ -101,12 +107,16 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self.terminals: dict[str, int] = {}
         self.closed = False
         self.dead = False
-        self.fatal_admitted = False
+        self.last_wave_ids: tuple[str, ...] = ()
         self.last_wave_id: int | None = None
         self.ended_in_wave: dict[int | None, set[str]] = {}
         self._rpc_calls = 0
         self._next_id = 0
         self.core.machine.subscribe(self._record)
+        self._trace_writer: JsonlTraceWriter | None = None
+        if self.trace_path is not None:
+            self._trace_writer = JsonlTraceWriter(self.trace_path)
+            self.core.machine.subscribe(self._trace_writer)
         self.oracle = DirectOracle.for_config(config)
 
     # -- rules -------------------------------------------------------------------------
@@ -145,6 +155,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             # Ended by an abort whose output comes with the next step: the id is
             # the old request's until that output is out (as a front keeps it).
             self._step()
+            if self.dead:
+                return
             assert old.final is not None, f"{rid!r} ended, but a step did not deliver its output"
         try:
             self.core.add_request(rid, old.prompt, old.params, old.seed)
@@ -246,8 +258,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
     def add_fatal(self, data: st.DataObject) -> None:
         """A request whose device fault will kill the executor when its wave runs."""
         assert self.fatal_prompts is not None
-        self._add(data, data.draw(self.fatal_prompts), data.draw(self.params), True)
-        self.fatal_admitted = True
+        rid = self._add(data, data.draw(self.fatal_prompts), data.draw(self.params), True)
+        self.records[rid].fatal = True
 
     def _run_until_death(self) -> None:
         with contextlib.suppress(EngineDeadError):
@@ -316,6 +328,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             self._check_against_the_pipeline()
         finally:
             self._take(self.core.shutdown())
+            if self._trace_writer is not None:
+                self._trace_writer.close()
         self._check_final_trace()
 
     # -- checks ------------------------------------------------------------------------
@@ -402,7 +416,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         except EngineDeadError:
             self.dead = True
             self._check_death(active_before)
-            if not (self.fatal_admitted or self.worker_killer):
+            if not (self._fatal_wave() or self.worker_killer):
                 raise
 
     def _run_until_idle(self) -> None:
@@ -442,6 +456,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                     self.ended_in_wave.setdefault(event.wave_id, set()).add(rid)
         elif isinstance(event, WaveEvent):
             self.last_wave_id = event.wave_id
+            self.last_wave_ids = event.scheduled_ids
             self.ended_in_wave.pop(event.wave_id - 1, None)
             for rid in event.scheduled_ids:
                 record = self.records.get(rid)
@@ -452,6 +467,10 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 self.reach.note("path: a wave mixing failing and good requests")
             if len(event.scheduled_ids) > 1:
                 self.reach.note("path: a wave of several requests")
+
+    def _fatal_wave(self) -> bool:
+        """Whether the last wave held a request meant to kill the executor."""
+        return any(rid in self.records and self.records[rid].fatal for rid in self.last_wave_ids)
 
     def _is_failing(self, rid: str) -> bool:
         record = self.records.get(rid)
@@ -484,6 +503,7 @@ def core_lifecycle_machine(
     executor_cls: type[DiffusionExecutor] | None = None,
     worker_killer: Callable[[EngineCore], None] | None = None,
     oracle_tolerance: float = 0.0,
+    trace_path: Path | None = None,
     base: type[CoreLifecycleMachine] = CoreLifecycleMachine,
 ) -> type[CoreLifecycleMachine]:
     """A core harness class for engines built from ``config()``.
@@ -493,7 +513,8 @@ def core_lifecycle_machine(
     mates); ``fatal_prompts`` requests whose device fault kills the executor;
     ``scheduler_cls`` and ``executor_cls`` plug in your own
     components; ``worker_killer`` kills a worker of a multi-process engine;
-    ``oracle_tolerance`` allows an absolute difference from the direct run.
+    ``oracle_tolerance`` allows an absolute difference from the direct run;
+    ``trace_path`` keeps the events of the last example run.
     """
     attributes: dict[str, Any] = {
         "config_factory": staticmethod(config),
@@ -503,6 +524,7 @@ def core_lifecycle_machine(
         "executor_cls": executor_cls,
         "worker_killer": (worker_killer,) if worker_killer else (),
         "oracle_tolerance": oracle_tolerance,
+        "trace_path": trace_path,
         "reach": Reach(),
     }
     for name, value in (("prompts", prompts), ("params", params), ("rpc_timeouts", rpc_timeouts)):
