@@ -245,6 +245,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = {
+    "audit": "diffusion_runtime.bench.audit:run",
     "control-plane": "diffusion_runtime.bench.control_plane:run",
     "step-vs-request": "diffusion_runtime.bench.step_vs_request:run",
     "dit": "diffusion_runtime.bench.dit:run",

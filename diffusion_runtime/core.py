@@ -483,7 +483,7 @@ class EngineCore:
                     output.scheduled_cached_ids,
                     output.finished_ids,
                     time.monotonic(),
-                    batch_keys=tuple("" if r is None else repr(r.batch_key) for r in requests),
+                    batch_keys=tuple(None if r is None else r.batch_key for r in requests),
                     num_steps=tuple(
                         0 if r is None else r.params.num_inference_steps for r in requests
                     ),

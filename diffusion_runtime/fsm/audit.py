@@ -156,8 +156,12 @@ class ExecutionFollowsScheduler:
                 )
             ]
         scheduled = wave.scheduled_ids
+        executed = event.executed
+        if executed == scheduled:  # the common case, in O(n)
+            return []
         problems = []
-        extra = [rid for rid in event.executed if rid not in scheduled]
+        scheduled_set = set(scheduled)
+        extra = [rid for rid in executed if rid not in scheduled_set]
         for rid in extra:
             problems.append(
                 Violation(
@@ -167,9 +171,8 @@ class ExecutionFollowsScheduler:
                     (wave, event),
                 )
             )
-        skipped = [
-            rid for rid in scheduled if rid not in event.executed and rid not in event.failed
-        ]
+        accounted = {*executed, *event.failed}
+        skipped = [rid for rid in scheduled if rid not in accounted]
         for rid in skipped:
             problems.append(
                 Violation(
@@ -179,8 +182,9 @@ class ExecutionFollowsScheduler:
                     (wave, event),
                 )
             )
-        ran_in_order = [rid for rid in scheduled if rid in event.executed]
-        if not extra and list(event.executed) != ran_in_order:
+        executed_set = set(executed)
+        ran_in_order = [rid for rid in scheduled if rid in executed_set]
+        if not extra and list(executed) != ran_in_order:
             problems.append(
                 Violation(
                     self.invariant,

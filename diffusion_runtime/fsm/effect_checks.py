@@ -40,7 +40,8 @@ class WavesFollowPolicy:
             )
         keys = set(event.batch_keys)
         if len(keys) > 1:
-            problems.append(f"wave {event.wave_id} mixes compatibility keys {sorted(keys)}")
+            shown = sorted(k if isinstance(k, str) else repr(k) for k in keys)
+            problems.append(f"wave {event.wave_id} mixes compatibility keys {shown}")
         steps = set(event.num_steps)
         if event.mode == "request" and len(steps) > 1:
             problems.append(f"request-mode wave {event.wave_id} mixes step counts {sorted(steps)}")
@@ -125,12 +126,12 @@ class StepsAsRequested:
 
     def feed(self, event: TraceEvent) -> list[Violation]:
         if isinstance(event, WaveEvent):
-            for rid, steps in zip(event.scheduled_ids, event.num_steps, strict=False):
-                if rid in event.new_ids:
-                    self.requested[rid] = steps
-                    self.done[rid] = (0, None)
-                    if event.mode == "step":
-                        self.step_mode.add(rid)
+            new_steps = event.num_steps[len(event.cached_ids) :]  # scheduled: cached, then new
+            for rid, steps in zip(event.new_ids, new_steps, strict=False):
+                self.requested[rid] = steps
+                self.done[rid] = (0, None)
+                if event.mode == "step":
+                    self.step_mode.add(rid)
             return []
         if isinstance(event, RunnerEvent):
             return self._runner(event)

@@ -6,6 +6,7 @@ checks the runtime's invariants over a stream of them, online or from a file.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import attrs
@@ -56,7 +57,7 @@ class WaveEvent:
     """A scheduler output: what the scheduler asked the workers to run (INV-002).
 
     The policy fields (INV-006, INV-008) are aligned with :attr:`scheduled_ids`:
-    ``batch_keys`` holds each request's compatibility key (as text) and
+    ``batch_keys`` holds each request's compatibility key (text in a trace file) and
     ``num_steps`` its requested step count. ``capacity`` is the engine's
     ``max_num_seqs`` and ``mode`` its execution mode (``""``/``0``: not recorded).
     """
@@ -66,7 +67,7 @@ class WaveEvent:
     cached_ids: tuple[str, ...]
     finished_ids: tuple[str, ...]
     time: float
-    batch_keys: tuple[str, ...] = ()
+    batch_keys: tuple[Hashable, ...] = ()
     num_steps: tuple[int, ...] = ()
     capacity: int = 0
     mode: str = ""
@@ -85,7 +86,7 @@ class WaveEvent:
             "cached_ids": list(self.cached_ids),
             "finished_ids": list(self.finished_ids),
             "time": self.time,
-            "batch_keys": list(self.batch_keys),
+            "batch_keys": [k if isinstance(k, str) else repr(k) for k in self.batch_keys],
             "num_steps": list(self.num_steps),
             "capacity": self.capacity,
             "mode": self.mode,
