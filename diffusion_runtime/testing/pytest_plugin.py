@@ -20,12 +20,11 @@ import pytest
 if TYPE_CHECKING:
     from diffusion_runtime.config import EngineConfig
     from diffusion_runtime.engine import DiffusionEngine
-    from diffusion_runtime.fsm.audit import Auditor
 
 # Heavy imports (torch, hypothesis) wait until a fixture is used: pytest loads
 # this plugin in every session of an environment that has the package.
 
-EngineFactory = Callable[..., DiffusionEngine]
+EngineFactory = Callable[..., "DiffusionEngine"]
 LifecycleHarness = Callable[..., None]
 
 
