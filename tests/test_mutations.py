@@ -166,3 +166,10 @@ def test_the_harness_catches(mutation: Mutation) -> None:
 )
 def test_the_harness_catches_the_rest(mutation: Mutation) -> None:
     catch(mutation)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_real_runtime_passes_a_thousand_examples(mode: str) -> None:
+    """The thorough run: 1,000 examples of 60 rules, no violation, no flaky draws."""
+    assert hunt(None, core_harness(mode), max_examples=1000, steps=60) is None

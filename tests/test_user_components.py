@@ -7,8 +7,10 @@ default (core) harness as a user would run it.
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import Hashable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from diffusion_runtime import EngineConfig
+from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
 from diffusion_runtime.testing.core_harness import CoreLifecycleMachine, core_lifecycle_machine
@@ -24,6 +27,7 @@ from diffusion_runtime.testing.pipelines import SeededNoisePipeline
 from diffusion_runtime.testing.strategies import sampling_params
 
 EXAMPLES = 60
+ROOT = Path(__file__).parent.parent
 
 
 class ResultsByPosition(SeededNoisePipeline):
@@ -137,3 +141,27 @@ class Constant(SeededNoisePipeline):
 
 def test_a_pipeline_that_declares_itself_seed_free_passes() -> None:
     assert hunt(None, harness(Constant), max_examples=EXAMPLES) is None
+
+
+def docs_counting_executor() -> type[DiffusionExecutor]:
+    text = (ROOT / "docs" / "executors.md").read_text()
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "CountingExecutor" in b]
+    namespace: dict[str, Any] = {}
+    exec(block, namespace)
+    executor: type[DiffusionExecutor] = namespace["CountingExecutor"]
+    return executor
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_executors_guide_example_passes_the_harness(mode: str) -> None:
+    machine = core_lifecycle_machine(
+        lambda: EngineConfig(
+            pipeline="testing-faults", device="cpu", execution_mode=mode, max_num_seqs=2
+        ),
+        prompts=st.sampled_from(["x", "y", 3]),
+        fatal_prompts=st.just("device-fault"),
+        params=sampling_params(steps=(1, 3)),
+        executor_cls=docs_counting_executor(),
+    )
+    assert hunt(None, machine, max_examples=EXAMPLES) is None
+    assert machine.reach.counts["path: death with other requests active"] > 0

@@ -419,6 +419,9 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         active_before = sum(1 for rid in self.records if self._is_active(rid))
         try:
             self._take(self.core.step(late_aborts))
+            assert not (self.core.last_step_executed and self._fatal_wave()), (
+                "a device fault did not kill the executor (it must mark itself failed)"
+            )
         except EngineDeadError:
             self.dead = True
             self._check_death(active_before)
