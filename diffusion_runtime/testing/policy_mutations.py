@@ -180,12 +180,14 @@ def failed_step_state_kept() -> Patch:
 
 def preview_marked_final() -> Patch:
     def make(original: Any) -> Any:
-        def progress_outputs(self: EngineCore, result: RunnerOutput) -> list[RequestOutput]:
-            outputs: list[RequestOutput] = original(self, result)
+        def progress_outputs(
+            self: EngineCore, result: RunnerOutput
+        ) -> list[tuple[Request, RequestOutput]]:
+            outputs: list[tuple[Request, RequestOutput]] = original(self, result)
             # "the last preview is as good as the final image"
             return [
-                attrs.evolve(o, finished=o.num_steps is not None and o.step == o.num_steps - 1)
-                for o in outputs
+                (r, attrs.evolve(o, finished=o.num_steps is not None and o.step == o.num_steps - 1))
+                for r, o in outputs
             ]
 
         return progress_outputs
@@ -201,7 +203,7 @@ def waiting_abort_output_lost() -> Patch:
             original(self, request_ids, reason)
             # "a request that never ran has nothing to report"
             self._pending[before:] = [
-                o for o in self._pending[before:] if o.request_id not in waiting
+                item for item in self._pending[before:] if item[1].request_id not in waiting
             ]
 
         return abort
