@@ -206,6 +206,8 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         )
         for task in pending:
             task.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         assert not pending, f"streams still open after close: {sorted(readers)}"
         for task in done:
             task.result()
