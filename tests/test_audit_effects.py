@@ -139,3 +139,12 @@ def test_a_broken_scheduler_is_flagged_online_and_offline(tmp_path: Path) -> Non
 def test_the_export_of_an_empty_trace_is_a_valid_document() -> None:
     document = chrome_trace([])
     assert document["traceEvents"] and all(r["ph"] == "M" for r in document["traceEvents"])
+
+
+def test_the_audit_benchmark_reports_both_ratios_at_a_tiny_size() -> None:
+    from diffusion_runtime.bench.audit import run
+
+    results = run(batch_sizes=(2,), steps=1, repeats=1, mode="request")
+    batch = results["batches"]["2"]
+    assert set(batch["best_s"]) == {"off", "audited", "traced"}
+    assert batch["audited_throughput_vs_off"] > 0 and batch["traced_throughput_vs_off"] > 0
