@@ -1,4 +1,4 @@
-"""INV-006..009 (policy and effect) online and offline, and the Perfetto export."""
+"""INV-007..009 (policy and effect) online and offline, and the Perfetto export."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_a_wave_over_capacity_or_mixing_keys_is_flagged() -> None:
     events.append(
         WaveEvent(0, ("a", "b", "c"), (), (), 1.0, ("k1", "k1", "k2"), (2, 3, 2), 2, "request")
     )
-    messages = [v.message for v in audit_events(events) if v.invariant == "INV-006"]
+    messages = [v.message for v in audit_events(events) if v.invariant == "INV-007"]
     assert any("max_num_seqs is 2" in m for m in messages)
     assert any("mixes compatibility keys" in m for m in messages)
     assert any("mixes step counts" in m for m in messages)
@@ -55,9 +55,9 @@ def test_an_abort_that_does_not_end_the_request_is_flagged() -> None:
         AbortEvent("a", "aborted by the caller", 1.2),
         WaveEvent(1, (), ("a",), (), 1.3, ("k",), (3,), 4, "step"),
     ]
-    assert "INV-007" in invariants(events)
+    assert "INV-008" in invariants(events)
     ended = [*events[:5], LifecycleEvent("a", R, ABORTED, "abort", None, 1.25)]
-    assert "INV-007" not in invariants(ended)
+    assert "INV-008" not in invariants(ended)
 
 
 def test_a_completion_after_the_wrong_number_of_steps_is_flagged() -> None:
@@ -70,13 +70,13 @@ def test_a_completion_after_the_wrong_number_of_steps_is_flagged() -> None:
         RunnerEvent(1, ("a",), ("a",), ("a",), (), (), ("a",), 1.3, ((2, 3),)),
         LifecycleEvent("a", R, DONE, "complete", 1, 1.4),
     ]
-    messages = [v.message for v in audit_events(events) if v.invariant == "INV-008"]
+    messages = [v.message for v in audit_events(events) if v.invariant == "INV-009"]
     assert messages == ["completed after 2 of its 3 requested steps"]
 
 
 def test_a_progress_output_marked_final_is_flagged() -> None:
     events: list[TraceEvent] = [admitted("a"), DeliveryEvent("a", R, True, "", "", 1.0)]
-    assert "INV-009" in invariants(events)
+    assert "INV-010" in invariants(events)
 
 
 def test_new_event_fields_survive_the_json_round_trip() -> None:
@@ -121,9 +121,9 @@ def test_a_broken_scheduler_is_flagged_online_and_offline(tmp_path: Path) -> Non
         engine.generate(["a", "b", "c"], SamplingParams(num_inference_steps=3))
         auditor = engine.auditor
     assert auditor is not None
-    assert "INV-006" in {v.invariant for v in auditor.violations}
+    assert "INV-007" in {v.invariant for v in auditor.violations}
     offline = audit_events(read_trace(trace))
-    assert "INV-006" in {v.invariant for v in offline}
+    assert "INV-007" in {v.invariant for v in offline}
 
     out = tmp_path / "trace.json"
     assert main(["audit", str(trace), "--perfetto", str(out)]) == 1
@@ -133,7 +133,7 @@ def test_a_broken_scheduler_is_flagged_online_and_offline(tmp_path: Path) -> Non
     assert {"requests", "waves"} <= names
     assert any(r["ph"] == "X" and r["name"] == "RUNNING" for r in records)
     assert any(r["ph"] == "X" and r["name"].startswith("wave ") for r in records)
-    assert any(r["ph"] == "i" and r["name"] == "INV-006 violated" for r in records)
+    assert any(r["ph"] == "i" and r["name"] == "INV-007 violated" for r in records)
 
 
 def test_the_export_of_an_empty_trace_is_a_valid_document() -> None:

@@ -55,7 +55,7 @@ REQUIRED_REACH = {
         "path: RPC timeout refused": 5,
     },
     "step": {"rule: abort a RUNNING request": 5, "path: progress output": 20},
-    "mp": {"path: RPC timed out": 3, "path: RPC answered": 3},
+    "mp": {"path: RPC timed out": 1, "path: RPC answered": 3},
     "front": {
         "path: close with blocked readers": 5,
         "path: consumer dropped while its request was active": 5,

@@ -78,4 +78,4 @@ def test_audit_fails_a_test_whose_engine_breaks_an_invariant(tmp_path: Path) -> 
     audited = run_pytest(tmp_path, "--audit", "test_overfull.py")
     output = audited.stdout + audited.stderr
     assert audited.returncode == 1, output
-    assert "INV-006" in output and "max_num_seqs is 2" in output, output
+    assert "INV-007" in output and "max_num_seqs is 2" in output, output

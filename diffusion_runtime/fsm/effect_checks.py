@@ -1,7 +1,7 @@
 """Checkers of policy and effect: what a wave may hold, and that aborts, step
-counts and output flags do what they say (INV-006..009).
+counts and output flags do what they say (INV-007..010).
 
-INV-001..005 check that the runtime's records agree with each other; these
+INV-001..006 check that the runtime's records agree with each other; these
 check that the records agree with what was asked for: the engine's capacity,
 a request's step count, a caller's abort.
 """
@@ -26,7 +26,7 @@ class WavesFollowPolicy:
     """A wave holds at most ``max_num_seqs`` requests, all with one compatibility
     key; in request mode, all with one step count."""
 
-    invariant = "INV-006"
+    invariant = "INV-007"
     rule = "a wave holds at most max_num_seqs requests, sharing one compatibility key"
 
     def feed(self, event: TraceEvent) -> list[Violation]:
@@ -56,7 +56,7 @@ class AbortsTakeEffect:
     wave is scheduled: by the next step boundary in step mode, at the end of
     the current wave in request mode."""
 
-    invariant = "INV-007"
+    invariant = "INV-008"
     rule = "an abort of an active request ends it ABORTED before the next wave starts"
 
     def __init__(self) -> None:
@@ -116,7 +116,7 @@ class StepsAsRequested:
     """In step mode a request advances one step at a time, toward the step count
     it asked for, and completes only after exactly that many steps."""
 
-    invariant = "INV-008"
+    invariant = "INV-009"
     rule = "a completed request ran exactly its requested number of denoising steps"
 
     def __init__(self) -> None:
@@ -161,9 +161,7 @@ class StepsAsRequested:
 
     def _lifecycle(self, event: LifecycleEvent) -> list[Violation]:
         rid = event.request_id
-        if event.dest is RequestStatus.PREEMPTED:
-            self.done[rid] = (0, None)  # it starts over when scheduled again
-            return []
+        # A preempted request keeps its state and resumes at its next step (INV-006).
         if event.dest not in TERMINAL_STATES:
             return []
         requested = self.requested.pop(rid, None)
@@ -192,7 +190,7 @@ class OutputsSayWhetherFinal:
     """An output is final exactly when its status is terminal: a progress output
     (``RUNNING``) is never final, and a final one never says ``RUNNING``."""
 
-    invariant = "INV-009"
+    invariant = "INV-010"
     rule = "progress outputs are never final, and final outputs carry a terminal status"
 
     def feed(self, event: TraceEvent) -> list[Violation]:

@@ -56,7 +56,7 @@ class LifecycleEvent:
 class WaveEvent:
     """A scheduler output: what the scheduler asked the workers to run (INV-002).
 
-    The policy fields (INV-006, INV-008) are aligned with :attr:`scheduled_ids`:
+    The policy fields (INV-007, INV-009) are aligned with :attr:`scheduled_ids`:
     ``batch_keys`` holds each request's compatibility key (text in a trace file) and
     ``num_steps`` its requested step count. ``capacity`` is the engine's
     ``max_num_seqs`` and ``mode`` its execution mode (``""``/``0``: not recorded).
@@ -101,7 +101,7 @@ class RunnerEvent:
     final images; ``progressed``: ids that advanced a step; ``failed``: ids with
     an error. ``created``/``released``: ids whose runner state was created or
     dropped. ``steps`` is aligned with ``progressed``: each id's
-    ``(step_index, num_steps)`` after the step (INV-008).
+    ``(step_index, num_steps)`` after the step (INV-009).
     """
 
     wave_id: int
@@ -184,7 +184,7 @@ class ResourceEvent:
 
 @attrs.frozen(slots=True)
 class AbortEvent:
-    """A caller (or a consumer that stopped reading) asked the core to abort a request (INV-007)."""
+    """A caller (or a consumer that stopped reading) asked the core to abort a request (INV-008)."""
 
     request_id: str
     reason: str

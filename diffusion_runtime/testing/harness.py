@@ -251,7 +251,12 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         assert not finished & snapshot.runner_cached_ids, finished & snapshot.runner_cached_ids
         assert not finished & snapshot.executor_held_ids, finished & snapshot.executor_held_ids
         if self.engine.config.resolved_mode == "step":
-            assert snapshot.runner_cached_ids == snapshot.running_ids, snapshot
+            # Running requests have step state; so may preempted ones (they resume from it).
+            preempted = {
+                e.request_id for e in self.lifecycle if e.dest is RequestStatus.PREEMPTED
+            } - finished
+            assert snapshot.running_ids <= snapshot.runner_cached_ids, snapshot
+            assert snapshot.runner_cached_ids <= snapshot.running_ids | preempted, snapshot
 
     def teardown(self) -> None:
         try:
