@@ -111,6 +111,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self.last_wave_id: int | None = None
         self.ended_in_wave: dict[int | None, set[str]] = {}
         self._rpc_calls = 0
+        self.seed_checks = 0
         self._next_id = 0
         self.core.machine.subscribe(self._record)
         self._trace_writer: JsonlTraceWriter | None = None
@@ -330,7 +331,6 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 held = self._pipeline_held()
                 assert not held, f"the pipeline holds state after every request ended: {held}"
             self._check_outcomes()
-            self._check_against_the_pipeline()
         finally:
             self._take(self.core.shutdown())
             if self._trace_writer is not None:
@@ -361,32 +361,27 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                     f"by faults or aborts, yet ended {final.status}: {final.error}"
                 )
 
-    def _check_against_the_pipeline(self) -> None:
-        """Completed outputs equal the pipeline's own output, called directly;
-        and the same request with another seed gives other images."""
-        seed_checks = 0
-        for record in self._all_records():
-            final = record.final
-            if final is None or final.status is not RequestStatus.FINISHED_COMPLETED:
-                continue
-            assert final.image_batch is not None
-            expected = self.oracle.images(record.prompt, record.params, record.seed)
-            assert expected is not None, (
-                f"{final.request_id!r} completed, but the pipeline alone fails "
-                f"prompt {record.prompt!r}"
+    def _check_against_the_pipeline(self, record: RequestRecord, final: RequestOutput) -> None:
+        """A completed output equals the pipeline's own output, called directly, and
+        another seed gives other images. Checked as the output arrives, while the
+        engine (which may share the pipeline object) has not closed it."""
+        assert final.image_batch is not None
+        expected = self.oracle.images(record.prompt, record.params, record.seed)
+        assert expected is not None, (
+            f"{final.request_id!r} completed, but the pipeline alone fails prompt {record.prompt!r}"
+        )
+        assert self.oracle.matches(expected, final.image_batch, self.oracle_tolerance), (
+            f"{final.request_id!r}: output differs from the pipeline run directly "
+            f"(prompt {record.prompt!r}, {record.params}, seed {record.seed})"
+        )
+        if not self.oracle.seed_free and self.seed_checks < SEED_CHECKS_PER_EXAMPLE:
+            self.seed_checks += 1
+            other = self.oracle.images(record.prompt, record.params, record.seed + 1)
+            assert other is None or not torch.equal(other, final.image_batch), (
+                f"the pipeline ignores the seed: prompt {record.prompt!r} gave equal "
+                f"images with seeds {record.seed} and {record.seed + 1} "
+                "(declare seed_free = True on a pipeline that means to)"
             )
-            assert self.oracle.matches(expected, final.image_batch, self.oracle_tolerance), (
-                f"{final.request_id!r}: output differs from the pipeline run directly "
-                f"(prompt {record.prompt!r}, {record.params}, seed {record.seed})"
-            )
-            if not self.oracle.seed_free and seed_checks < SEED_CHECKS_PER_EXAMPLE:
-                seed_checks += 1
-                other = self.oracle.images(record.prompt, record.params, record.seed + 1)
-                assert other is None or not torch.equal(other, final.image_batch), (
-                    f"the pipeline ignores the seed: prompt {record.prompt!r} gave equal "
-                    f"images with seeds {record.seed} and {record.seed + 1} "
-                    "(declare seed_free = True on a pipeline that means to)"
-                )
 
     def _check_final_trace(self) -> None:
         for rid, admitted in self.admissions.items():
@@ -454,6 +449,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             )
             record.final = output
             self.reach.note(f"outcome: {output.status.name}")
+            if output.status is RequestStatus.FINISHED_COMPLETED:
+                self._check_against_the_pipeline(record, output)
 
     def _record(self, event: TraceEvent) -> None:
         self.auditor.feed(event)

@@ -14,6 +14,9 @@ from diffusion_runtime.pipelines.registry import build_pipeline
 from diffusion_runtime.runner.worker import worker_device
 from diffusion_runtime.sampling_params import SamplingParams
 
+#: The request id of the oracle's direct calls.
+ORACLE_ID = "oracle"
+
 
 class DirectOracle:
     """Runs one request at a time through the pipeline on the test's thread:
@@ -38,7 +41,7 @@ class DirectOracle:
 
     def images(self, prompt: Any, params: SamplingParams, seed: int) -> torch.Tensor | None:
         """The pipeline's images for one request alone, or ``None`` when it fails it."""
-        request = PipelineRequest("oracle", prompt, params, seed, self.device)
+        request = PipelineRequest(ORACLE_ID, prompt, params, seed, self.device)
         try:
             with torch.inference_mode():
                 if self.step_mode:
@@ -47,7 +50,11 @@ class DirectOracle:
                     produced = self.pipeline.forward([request])
         except Exception:
             return None
-        images = produced.get("oracle")
+        finally:
+            release = getattr(self.pipeline, "release_requests", None)
+            if callable(release):  # the engine may share this pipeline object
+                release([ORACLE_ID])
+        images = produced.get(ORACLE_ID)
         if not isinstance(images, torch.Tensor):
             return None
         return images.detach().to("cpu")
