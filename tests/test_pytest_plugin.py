@@ -6,17 +6,23 @@ import os
 import re
 import subprocess
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 PLUGIN = "diffusion_runtime.testing.pytest_plugin"
 
 
+def plugin_args() -> list[str]:
+    """Nothing where the installed entry point loads the plugin (as for a user);
+    ``-p`` where this checkout runs without being installed."""
+    installed = entry_points(group="pytest11", name="diffusion_runtime")
+    return [] if installed else ["-p", PLUGIN]
+
+
 def run_pytest(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    # The entry point is what loads the plugin once the package is installed;
-    # ``-p`` loads the same module from this checkout.
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", PLUGIN, *args],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin_args(), *args],
         cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
