@@ -418,9 +418,11 @@ def test_an_abort_between_compute_done_and_output_ready_releases_everything(
     params = [attrs.evolve(LARGE, seed=s) for s in (1, 2)]
 
     async def serve() -> list[RequestOutput]:
+        engine.pause()  # both are admitted before the first step, so they finish together
         ids = [
             await engine.add_request(p, q) for p, q in zip(["kept", "aborted"], params, strict=True)
         ]
+        engine.resume()
         held = await asyncio.to_thread(executor.output_arrived.wait, 30)
         assert held and executor.held_request_ids() == set(ids)  # between the two phases
         engine.abort(ids[1])
