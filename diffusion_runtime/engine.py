@@ -116,15 +116,39 @@ class DiffusionEngine:
 
     @classmethod
     def make_engine(cls, config: EngineConfig, **kwargs: Any) -> DiffusionEngine:
-        """Build an engine and run one warm-up request; close everything if either fails."""
-        engine = cls(config, **kwargs)
+        """Build an engine and run one warm-up request; close everything if either fails.
+
+        Both run on a short-lived thread, so the torch work of building leaves
+        no OpenMP team on the caller's thread: the thread that later drives
+        the engine (the caller in ``generate``, or the loop thread) is then the
+        process's only one (see the user guide on thread teams)."""
+        built: concurrent.futures.Future[DiffusionEngine] = concurrent.futures.Future()
+
+        def build() -> None:
+            try:
+                engine = cls(config, **kwargs)
+            except BaseException as exc:
+                built.set_exception(exc)
+                return
+            try:
+                if config.warmup:
+                    engine._warm_up()
+            except BaseException as exc:
+                engine.close()
+                built.set_exception(exc)
+                return
+            built.set_result(engine)
+
+        builder = threading.Thread(target=build, name="diffusion-build", daemon=True)
+        builder.start()
         try:
-            if config.warmup:
-                engine._warm_up()
-        except BaseException:
-            engine.close()
+            builder.join()
+        except BaseException:  # interrupted while building: wait, then close what was built
+            builder.join()
+            if built.exception() is None:
+                built.result().close()
             raise
-        return engine
+        return built.result()
 
     def __enter__(self) -> DiffusionEngine:
         return self

@@ -12,7 +12,8 @@ For each batch size B, B requests (25 steps, one image each) run as
 The four are timed in interleaved rounds, in one process, and the best round
 of each is kept; ratios compare them. The async variant runs torch on a second
 thread of a process whose main thread has its own OpenMP team, which libgomp
-slows down (see the user guide), so ``async_over_generate`` is a lower bound.
+slows down (see the user guide), so ``async_over_generate`` is a lower bound:
+in a process that uses only the async API it matches ``generate()``.
 """
 
 from __future__ import annotations
