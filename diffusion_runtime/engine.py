@@ -42,6 +42,7 @@ from diffusion_runtime.errors import (
     RPCError,
     describe_error,
 )
+from diffusion_runtime.executor import UniProcExecutor, resolve_executor_class
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.executor.rpc_checks import checked_timeout
 from diffusion_runtime.fsm import RequestMachine, RequestStatus
@@ -118,10 +119,11 @@ class DiffusionEngine:
     def make_engine(cls, config: EngineConfig, **kwargs: Any) -> DiffusionEngine:
         """Build an engine and run one warm-up request; close everything if either fails.
 
-        Both run on a short-lived thread, so the torch work of building leaves
-        no OpenMP team on the caller's thread: the thread that later drives
-        the engine (the caller in ``generate``, or the loop thread) is then the
-        process's only one (see the user guide on thread teams)."""
+        With the in-process executor both run on a short-lived thread, so the
+        torch work of building leaves no OpenMP team on the caller's thread: the
+        thread that later drives the engine (the caller in ``generate``, or the
+        loop thread) is then the process's only one (see the user guide on
+        thread teams). Executors whose torch runs elsewhere build here."""
         built: concurrent.futures.Future[DiffusionEngine] = concurrent.futures.Future()
 
         def build() -> None:
@@ -139,6 +141,9 @@ class DiffusionEngine:
                 return
             built.set_result(engine)
 
+        if "executor" in kwargs or not issubclass(resolve_executor_class(config), UniProcExecutor):
+            build()
+            return built.result()
         builder = threading.Thread(target=build, name="diffusion-build", daemon=True)
         builder.start()
         try:
