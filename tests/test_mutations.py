@@ -18,6 +18,7 @@ from diffusion_runtime import EngineConfig
 from diffusion_runtime.testing.core_harness import CoreLifecycleMachine, core_lifecycle_machine
 from diffusion_runtime.testing.harness import EngineLifecycleMachine, lifecycle_machine
 from diffusion_runtime.testing.mutations import CATALOGUE, Mutation, hunt
+from diffusion_runtime.testing.preemption_harness import PreemptiveCoreLifecycleMachine
 from diffusion_runtime.testing.strategies import sampling_params
 
 MAX_EXAMPLES = 150
@@ -38,6 +39,10 @@ FAST_SUBSET = {
     "preview-marked-final",
     "mp-stale-reply-taken",
     "dropped-consumer-not-aborted",
+    "resume-starts-over",
+    "preemption-frees-state",
+    "preempted-in-wave",
+    "preempted-end-leaks-state",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -56,6 +61,13 @@ REQUIRED_REACH = {
     },
     "step": {"rule: abort a RUNNING request": 5, "path: progress output": 20},
     "mp": {"path: RPC timed out": 1, "path: RPC answered": 3},
+    "preempt": {
+        "path: preempted": 20,
+        "path: resumed": 10,
+        "path: a preempted request completed as the oracle": 5,
+        "path: abort of a preempted request": 5,
+        "path: close with a preempted request": 3,
+    },
     "front": {
         "path: close with blocked readers": 5,
         "path: consumer dropped while its request was active": 5,
@@ -63,13 +75,13 @@ REQUIRED_REACH = {
 }
 
 
-def params(mode: str) -> st.SearchStrategy:  # type: ignore[type-arg]
+def params(mode: str, priorities: tuple[int, int] = (0, 0)) -> st.SearchStrategy:  # type: ignore[type-arg]
     # Step mode needs requests that stay running long enough to be aborted mid-flight.
     steps = (1, 3) if mode == "request" else (2, 6)
-    return sampling_params(steps=steps, outputs=(1, 2), guidance=[1.0, 2.0])
+    return sampling_params(steps=steps, outputs=(1, 2), guidance=[1.0, 2.0], priorities=priorities)
 
 
-def config(mode: str, backend: str = "uni") -> EngineConfig:
+def config(mode: str, backend: str = "uni", policy: str = "fifo") -> EngineConfig:
     return EngineConfig(
         pipeline="testing-faults",
         device="cpu",
@@ -78,6 +90,7 @@ def config(mode: str, backend: str = "uni") -> EngineConfig:
         executor_backend=backend,
         streaming_output=mode == "step",  # streaming selects step mode
         preview_interval=1,
+        scheduling_policy=policy,
     )
 
 
@@ -90,6 +103,20 @@ def core_harness(mode: str, backend: str = "uni") -> type[CoreLifecycleMachine]:
         params=params(mode),
         # On mp a microsecond is too short for any reply: the late one must be dropped.
         rpc_timeouts=st.sampled_from([1e-6, None, 5.0]),
+    )
+
+
+def preempt_harness() -> type[CoreLifecycleMachine]:
+    """The step-mode core under the preemptive priority policy, priorities drawn per
+    request: a better-ranked arrival preempts a running request, which resumes later."""
+    return core_lifecycle_machine(
+        lambda: config("step", policy="priority"),
+        prompts=st.sampled_from(["cat", "dog", 7]),
+        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
+        fatal_prompts=st.just("device-fault"),
+        params=params("step", priorities=(0, 3)),
+        rpc_timeouts=st.sampled_from([1e-6, None, 5.0]),
+        base=PreemptiveCoreLifecycleMachine,
     )
 
 
@@ -113,13 +140,15 @@ def front_config(mode: str) -> EngineConfig:
 def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
     if target == "front":
         return front_harness(mode)
+    if target == "preempt":
+        return preempt_harness()
     return core_harness(mode, "mp" if target == "mp" else "uni")
 
 
 def test_catalogue_is_large_and_named_uniquely() -> None:
     assert len(CATALOGUE) >= 30
     assert len({m.name for m in CATALOGUE}) == len(CATALOGUE)
-    assert {m.target for m in CATALOGUE} == {"core", "mp", "front"}
+    assert {m.target for m in CATALOGUE} == {"core", "mp", "front", "preempt"}
     assert {m.name for m in CATALOGUE} >= FAST_SUBSET
 
 
@@ -134,6 +163,14 @@ def test_the_real_runtime_passes_and_reaches_every_path(target: str, mode: str) 
     reach = machine.reach  # type: ignore[attr-defined]
     print(reach.table())
     assert not reach.missing(required), f"paths reached too rarely: {reach.missing(required)}"
+    assert engine_threads() == []
+
+
+def test_the_real_runtime_passes_with_preemption_and_reaches_every_path() -> None:
+    machine = preempt_harness()
+    assert hunt(None, machine, max_examples=MAX_EXAMPLES) is None
+    print(machine.reach.table())
+    assert not machine.reach.missing(REQUIRED_REACH["preempt"]), machine.reach.table()
     assert engine_threads() == []
 
 

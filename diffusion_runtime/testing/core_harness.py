@@ -63,6 +63,7 @@ class RequestRecord:
     failing: bool
     fatal: bool = False
     aborted: bool = False
+    preempted: bool = False
     final: RequestOutput | None = None
     waves: set[int] = attrs.field(factory=set)
 
@@ -269,10 +270,12 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             self._run_until_idle()
         assert self.dead, "the engine did not notice its executor died"
 
-    def _check_death(self, active_before: int) -> None:
+    def _check_death(self, active_before: int, preempted_before: bool) -> None:
         """Death fails every request it finds open: none is left waiting or running."""
         if active_before > 1:
             self.reach.note("path: death with other requests active")
+        if preempted_before:
+            self.reach.note("path: death with a preempted request")
         still_open = sorted(rid for rid in self.records if self._is_active(rid))
         assert not still_open, f"death left requests open: {still_open}"
 
@@ -282,6 +285,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         active = {rid for rid in self.records if self._is_active(rid)}
         if active:
             self.reach.note("path: close with active requests")
+        if any(self.states[rid] is RequestStatus.PREEMPTED for rid in active):
+            self.reach.note("path: close with a preempted request")
         self._take(self.core.shutdown())
         self.closed = True
         for rid in active:
@@ -411,10 +416,13 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
     def _abort(self, rid: str) -> None:
         if self._is_active(rid):
             self.records[rid].aborted = True
+        if self.states.get(rid) is RequestStatus.PREEMPTED:
+            self.reach.note("path: abort of a preempted request")
         self.core.abort([rid])
 
     def _step(self, late_aborts: Callable[[], None] | None = None) -> None:
         active_before = sum(1 for rid in self.records if self._is_active(rid))
+        preempted_before = any(s is RequestStatus.PREEMPTED for s in self.states.values())
         try:
             self._take(self.core.step(late_aborts))
             assert not (self.core.last_step_executed and self._fatal_wave()), (
@@ -422,7 +430,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             )
         except EngineDeadError:
             self.dead = True
-            self._check_death(active_before)
+            self._check_death(active_before, preempted_before)
             if not (self._fatal_wave() or self.worker_killer):
                 raise
 
@@ -451,12 +459,15 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             self.reach.note(f"outcome: {output.status.name}")
             if output.status is RequestStatus.FINISHED_COMPLETED:
                 self._check_against_the_pipeline(record, output)
+                if record.preempted:
+                    self.reach.note("path: a preempted request completed as the oracle")
 
     def _record(self, event: TraceEvent) -> None:
         self.auditor.feed(event)
         if isinstance(event, LifecycleEvent) and not event.rejected:
             rid = event.request_id
             self.states[rid] = event.dest
+            self._note_preemption(event)
             if event.source is None:
                 self.admissions[rid] = self.admissions.get(rid, 0) + 1
             elif event.dest in TERMINAL_STATES:
@@ -476,6 +487,15 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 self.reach.note("path: a wave mixing failing and good requests")
             if len(event.scheduled_ids) > 1:
                 self.reach.note("path: a wave of several requests")
+
+    def _note_preemption(self, event: LifecycleEvent) -> None:
+        if event.dest is RequestStatus.PREEMPTED:
+            self.reach.note("path: preempted")
+            record = self.records.get(event.request_id)
+            if record is not None:
+                record.preempted = True
+        elif event.source is RequestStatus.PREEMPTED and event.dest is RequestStatus.RUNNING:
+            self.reach.note("path: resumed")
 
     def _fatal_wave(self) -> bool:
         """Whether the last wave held a request meant to kill the executor."""

@@ -31,6 +31,7 @@ from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
 from diffusion_runtime.testing.patching import replace_attribute as _replace
 from diffusion_runtime.testing.policy_mutations import POLICY_MUTATIONS
+from diffusion_runtime.testing.preemption_mutations import PREEMPTION_MUTATIONS
 
 
 @attrs.frozen
@@ -42,7 +43,8 @@ class Mutation:
     mode: str
     patch: Callable[[], contextlib.AbstractContextManager[None]]
     #: What the harness drives: ``"core"`` (an EngineCore, uni), ``"mp"`` (an
-    #: EngineCore over the mp executor) or ``"front"`` (a DiffusionEngine).
+    #: EngineCore over the mp executor), ``"preempt"`` (an EngineCore under a
+    #: preemptive policy) or ``"front"`` (a DiffusionEngine).
     target: str = "core"
 
 
@@ -306,7 +308,8 @@ _FIRST_CATALOGUE: tuple[Mutation, ...] = (
 
 #: Every mutation the harness must catch.
 CATALOGUE: tuple[Mutation, ...] = _FIRST_CATALOGUE + tuple(
-    Mutation(name, bug, mode, patch, target) for name, bug, mode, target, patch in POLICY_MUTATIONS
+    Mutation(name, bug, mode, patch, target)
+    for name, bug, mode, target, patch in (*POLICY_MUTATIONS, *PREEMPTION_MUTATIONS)
 )
 
 

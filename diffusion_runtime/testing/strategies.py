@@ -16,8 +16,10 @@ def sampling_params(
     guidance: list[float] | None = None,
     sizes: list[int | None] | None = None,
     seeds: st.SearchStrategy[int] | None = None,
+    priorities: tuple[int, int] = (0, 0),
 ) -> st.SearchStrategy[SamplingParams]:
-    """Valid, cheap sampling parameters with an explicit seed.
+    """Valid, cheap sampling parameters with an explicit seed; ``priorities``
+    bounds the drawn ``priority`` (a preemptive policy preempts on it).
 
     Small seed and step ranges make equal requests likely, which lets the
     identity checks compare outputs of equal inputs in different batches.
@@ -32,6 +34,7 @@ def sampling_params(
             num_outputs_per_prompt=st.integers(*outputs),
             height=st.just(size),
             width=st.just(size),
+            priority=st.integers(*priorities),
         )
 
     return st.sampled_from(sizes or [None]).flatmap(with_size)

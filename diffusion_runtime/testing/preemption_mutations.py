@@ -1,0 +1,91 @@
+"""Broken preemption: bugs in how a preempted request keeps its place, its state
+and its cleanup. Each is written the way it would slip in; the preemptive core
+harness (:mod:`.preemption_harness`) must catch each, and ``docs/auditing.md``
+says which check does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffusion_runtime.contracts import SchedulerOutput
+from diffusion_runtime.fsm import LifecycleEvent, RequestStatus, Trigger
+from diffusion_runtime.scheduler.base import BaseScheduler
+from diffusion_runtime.scheduler.request import Request
+from diffusion_runtime.scheduler.step_scheduler import StepScheduler
+from diffusion_runtime.testing.patching import replace_attribute as _replace
+from diffusion_runtime.testing.policy_mutations import MutationSpec, Patch
+
+
+def resume_resends_the_payload() -> Patch:
+    def make(original: Any) -> Any:
+        def schedule(self: StepScheduler, now: float) -> SchedulerOutput | None:
+            preempt, admit = self.plan(now, may_preempt=True)
+            for request in preempt:
+                self.machine.fire(request, Trigger.PREEMPT)
+            # "the workers may have evicted it meanwhile: send a resumed request in full"
+            return self.build_output(admit, tuple(self.running))
+
+        return schedule
+
+    return _replace(StepScheduler, "schedule", make)
+
+
+def preemption_frees_runner_state() -> Patch:
+    def make(original: Any) -> Any:
+        def on_preempted(self: BaseScheduler, request: Request, event: LifecycleEvent) -> None:
+            original(self, request, event)
+            # "free its latents while it waits; it keeps its step index to resume from"
+            self._finished_ids.append(request.request_id)
+
+        return on_preempted
+
+    return _replace(BaseScheduler, "_on_preempted", make)
+
+
+def preempted_runs_in_the_wave() -> Patch:
+    def make(original: Any) -> Any:
+        def schedule(self: StepScheduler, now: float) -> SchedulerOutput | None:
+            preempt, admit = self.plan(now, may_preempt=True)
+            cached_ids = tuple(self.running)  # taken once, before the preemptions below
+            for request in preempt:
+                self.machine.fire(request, Trigger.PREEMPT)
+            resumed = tuple(r for r in admit if r.state is RequestStatus.PREEMPTED)
+            new = [r for r in admit if r.state is not RequestStatus.PREEMPTED]
+            return self.build_output(new, (*cached_ids, *(r.request_id for r in resumed)), resumed)
+
+        return schedule
+
+    return _replace(StepScheduler, "schedule", make)
+
+
+def preempted_end_not_released() -> Patch:
+    def make(original: Any) -> Any:
+        def on_terminal(self: BaseScheduler, request: Request, event: LifecycleEvent) -> None:
+            request_id = request.request_id
+            del self.requests[request_id]
+            if event.source is RequestStatus.RUNNING:
+                del self.running[request_id]
+                # "only a running request has state on the workers"
+                if self.keeps_runner_state:
+                    self._finished_ids.append(request_id)
+            else:
+                del self.waiting[request_id]
+            request.finished_time = event.time
+
+        return on_terminal
+
+    return _replace(BaseScheduler, "_on_terminal", make)
+
+
+#: ``(name, bug, mode, target, patch)``, run by the preemptive core harness.
+PREEMPTION_MUTATIONS: tuple[MutationSpec, ...] = (
+    ("resume-starts-over", "a resumed request is sent as a new one and starts over", "step",
+     "preempt", resume_resends_the_payload),
+    ("preemption-frees-state", "preemption frees the runner state but keeps the step index",
+     "step", "preempt", preemption_frees_runner_state),
+    ("preempted-in-wave", "a request preempted for a wave still runs in it", "step",
+     "preempt", preempted_runs_in_the_wave),
+    ("preempted-end-leaks-state", "a request ending while preempted keeps its runner state",
+     "step", "preempt", preempted_end_not_released),
+)  # fmt: skip
