@@ -40,6 +40,7 @@ FAST_SUBSET = {
     "mp-stale-reply-taken",
     "dropped-consumer-not-aborted",
     "resume-starts-over",
+    "resume-from-noise",
     "preemption-frees-state",
     "preempted-in-wave",
     "preempted-end-leaks-state",

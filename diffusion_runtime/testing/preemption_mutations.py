@@ -6,10 +6,13 @@ says which check does.
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, cast
 
 from diffusion_runtime.contracts import SchedulerOutput
 from diffusion_runtime.fsm import LifecycleEvent, RequestStatus, Trigger
+from diffusion_runtime.pipelines.protocols import StepPipeline
+from diffusion_runtime.runner.model_runner import ModelRunner
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.step_scheduler import StepScheduler
@@ -41,6 +44,26 @@ def preemption_frees_runner_state() -> Patch:
         return on_preempted
 
     return _replace(BaseScheduler, "_on_preempted", make)
+
+
+def offloaded_latents_rebuilt_from_noise() -> Patch:
+    sat_out: weakref.WeakKeyDictionary[ModelRunner, set[str]] = weakref.WeakKeyDictionary()
+
+    def make(original: Any) -> Any:
+        def step(self: ModelRunner, output: SchedulerOutput, result: Any) -> None:
+            pipeline = cast(StepPipeline, self.pipeline)
+            for request_id in sat_out.pop(self, set()) & set(output.scheduled_cached_ids):
+                state = self.states[request_id]
+                # "its latents were offloaded while it sat out; rebuild them" - from noise,
+                # while the state keeps the step it had reached
+                state.latents = pipeline.prepare_encode(state.request).latents
+            original(self, output, result)
+            if output.scheduled_ids:
+                sat_out[self] = set(self.states) - set(output.scheduled_ids)
+
+        return step
+
+    return _replace(ModelRunner, "_step", make)
 
 
 def preempted_runs_in_the_wave() -> Patch:
@@ -84,6 +107,8 @@ PREEMPTION_MUTATIONS: tuple[MutationSpec, ...] = (
      "preempt", resume_resends_the_payload),
     ("preemption-frees-state", "preemption frees the runner state but keeps the step index",
      "step", "preempt", preemption_frees_runner_state),
+    ("resume-from-noise", "a resumed request's latents are rebuilt from noise mid-denoise",
+     "step", "preempt", offloaded_latents_rebuilt_from_noise),
     ("preempted-in-wave", "a request preempted for a wave still runs in it", "step",
      "preempt", preempted_runs_in_the_wave),
     ("preempted-end-leaks-state", "a request ending while preempted keeps its runner state",
