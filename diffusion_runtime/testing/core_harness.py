@@ -10,7 +10,8 @@ the auditor (INV-001..010) found nothing and no component holds state for a
 finished request. At the end: every request that no fault touched completed,
 every completed output equals the pipeline's own output for that request
 (called directly, outside the engine), outputs depend on the seed, and nothing
-is left held. :class:`~diffusion_runtime.testing.reach.Reach` counts the paths reached.
+is left held. :class:`~diffusion_runtime.testing.reach.Reach` counts the paths reached,
+preemption among them (:mod:`.preemption_harness` adds the rules that reach it).
 """
 
 from __future__ import annotations
