@@ -48,8 +48,8 @@ FAST_SUBSET = {
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
 #: Hypothesis seeds part of its generation with constants from the modules
-#: loaded so far, so counts differ between a lone file and the whole suite
-#: (the mixed waves of core/request: 104 alone, 14 in the suite): keep margins.
+#: loaded so far, so counts differ between a lone file and the whole suite,
+#: and move when any module of the package changes: keep margins.
 REQUIRED_REACH = {
     "core": {
         "path: a wave mixing failing and good requests": 10,

@@ -132,11 +132,14 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._alive)
     @rule(target=requests, data=st.data())
     def add_burst(self, data: st.DataObject) -> MultipleResults[str]:
-        """Requests admitted together, so they share waves; failing prompts mix in."""
+        """Requests admitted together, so they share waves; failing prompts mix in.
+        Half the bursts share one set of parameters, so they share a wave even
+        where waves need equal step counts (request mode)."""
         tagged = self.prompts.map(lambda p: (p, False))
         if self.failing_prompts is not None:
             tagged = tagged | self.failing_prompts.map(lambda p: (p, True))
-        mix = data.draw(st.lists(st.tuples(tagged, self.params), min_size=2, max_size=4))
+        params = st.just(data.draw(self.params)) if data.draw(st.booleans()) else self.params
+        mix = data.draw(st.lists(st.tuples(tagged, params), min_size=2, max_size=4))
         self.reach.note("rule: burst")
         return multiple(
             *(self._add(data, prompt, params, failing) for (prompt, failing), params in mix)

@@ -2,9 +2,9 @@
 
 :class:`PreemptiveCoreLifecycleMachine` adds rules that make preemption
 happen between rules rather than only while the harness drains the engine at
-the end: a better-ranked request arrives while others run (and a step lets it
-preempt them), and a preempted request is aborted. Everything the core harness
-checks applies to preempted requests too: a request that was preempted and
+the end: a full wave of better-ranked requests arrives while others run (and
+a step lets it preempt them), and a preempted request is aborted. Everything
+the core harness checks applies to preempted requests too: a request that was preempted and
 resumed must still equal the direct pipeline's output, and one that ends while
 preempted (abort, close, death) must leave nothing held.
 """
@@ -28,15 +28,21 @@ class PreemptiveCoreLifecycleMachine(CoreLifecycleMachine):
     @precondition(lambda self: self._alive and any(map(self._is_active, self.records)))
     @rule(data=st.data())
     def add_better_ranked(self, data: st.DataObject) -> None:
-        """A step (so requests run), then a request that outranks every active one
-        arrives, and a step lets it preempt the running ones it displaces."""
+        """A step (so requests run), then a full wave of requests that outrank every
+        active one arrives, and a step lets them preempt every running request.
+        They take as many steps as the longest active one, so the preempted ones
+        stay preempted for a while."""
         self._step()
-        active = [rid for rid in self.records if self._is_active(rid)]
+        active = [self.records[rid].params for rid in self.records if self._is_active(rid)]
         if self.dead or not active:
             return
-        best = min(self.records[rid].params.priority for rid in active)
-        params = attrs.evolve(data.draw(self.params), priority=max(best - 1, -MAX_PRIORITY))
-        self._add(data, data.draw(self.prompts), params, failing=False)
+        params = attrs.evolve(
+            data.draw(self.params),
+            priority=max(min(p.priority for p in active) - 1, -MAX_PRIORITY),
+            num_inference_steps=max(p.num_inference_steps for p in active),
+        )
+        for _ in range(self.config.max_num_seqs):
+            self._add(data, data.draw(self.prompts), params, failing=False)
         self._step()
 
     @precondition(lambda self: self._alive and self._ids_in(RequestStatus.PREEMPTED))
