@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,14 @@ import msgspec
 import pytest
 import torch
 import zmq
-from conftest import child_pids
-from test_stage import Gate, Probe, stage_config, stage_dirs, until, wait_for
+from test_stage import (  # nothing_left_behind: the stage tests' autouse leak check, here too
+    Gate,
+    Probe,
+    nothing_left_behind,  # noqa: F401
+    stage_config,
+    until,
+    wait_for,
+)
 from zmq.utils import garbage
 from zmq.utils.monitor import recv_monitor_message
 
@@ -67,16 +72,6 @@ DROPPED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-
-
-@pytest.fixture(autouse=True)
-def nothing_left_behind() -> Iterator[None]:
-    """After each test: no process, thread or socket directory of this process's."""
-    children, threads, dirs = child_pids(), set(threading.enumerate()), stage_dirs()
-    yield
-    assert wait_for(lambda: child_pids() <= children), child_pids() - children
-    assert wait_for(lambda: set(threading.enumerate()) <= threads)
-    assert stage_dirs() <= dirs
 
 
 # -- the attacker ----------------------------------------------------------------------
