@@ -513,3 +513,34 @@ def test_the_auditor_stays_quiet_when_a_dead_engine_is_closed(
     engine.close()
     assert auditor.dead and not auditor.complete
     assert [v.describe() for v in auditor.finish()] == []
+
+
+class ThreadRecordingPipeline(SeededNoisePipeline):
+    """Records the threads that built it and ran its forwards."""
+
+    def __init__(self, device: Any) -> None:
+        super().__init__(device)
+        self.threads = [threading.current_thread()]
+
+    def forward(self, batch: Any) -> Any:
+        self.threads.append(threading.current_thread())
+        return super().forward(batch)
+
+
+def test_make_engine_builds_and_warms_up_off_the_callers_thread() -> None:
+    """The in-process executor's torch work of building runs on a short-lived thread,
+    so the caller's thread keeps no torch thread team; generate() then runs on the caller."""
+    built: list[ThreadRecordingPipeline] = []
+
+    def factory(device: Any) -> ThreadRecordingPipeline:
+        built.append(ThreadRecordingPipeline(device))
+        return built[0]
+
+    config = EngineConfig(pipeline=factory, device="cpu", executor_backend="uni")
+    with DiffusionEngine.make_engine(config) as engine:
+        [pipeline] = built
+        builder, warm_up = pipeline.threads
+        assert builder is warm_up and builder is not threading.current_thread()
+        assert not builder.is_alive()
+        engine.generate(["a"], SamplingParams(num_inference_steps=2))
+        assert pipeline.threads[-1] is threading.current_thread()
