@@ -141,10 +141,14 @@ def test_the_export_of_an_empty_trace_is_a_valid_document() -> None:
     assert document["traceEvents"] and all(r["ph"] == "M" for r in document["traceEvents"])
 
 
-def test_the_audit_benchmark_reports_both_ratios_at_a_tiny_size() -> None:
+def test_the_audit_benchmark_reports_its_ratios_and_the_checkers_cost_at_a_tiny_size() -> None:
     from diffusion_runtime.bench.audit import run
 
-    results = run(batch_sizes=(2,), steps=1, repeats=1, mode="request")
+    results = run(batch_sizes=(2,), steps=2, repeats=1, mode="step")
     batch = results["batches"]["2"]
-    assert set(batch["best_s"]) == {"off", "audited", "traced"}
-    assert batch["audited_throughput_vs_off"] > 0 and batch["traced_throughput_vs_off"] > 0
+    variants = {"off", "off_twin", "audited", "traced"}
+    assert set(batch["best_cpu_s"]) == set(batch["best_wall_s"]) == variants
+    for name in ("off_twin", "audited", "traced"):
+        assert batch[f"{name}_throughput_vs_off"] > 0
+        assert batch[f"{name}_wall_throughput_vs_off"] > 0
+    assert batch["checkers_us_per_step"] > 0 and 0 < batch["checkers_share_of_step"] < 1

@@ -48,7 +48,11 @@ __all__ = [
 
 
 class InvariantChecker(Protocol):
-    """One invariant. ``invariant`` is its id, ``rule`` one sentence saying it."""
+    """One invariant. ``invariant`` is its id, ``rule`` one sentence saying it.
+
+    A checker may also declare ``events``, a tuple of the event classes it
+    reads: the auditor then feeds it only those (without it, every event).
+    """
 
     invariant: str
     rule: str
@@ -66,6 +70,7 @@ class OneLifecycleOwner:
     rule = (
         "each admitted request id has exactly one lifecycle, ending in exactly one terminal state"
     )
+    events = (LifecycleEvent,)
 
     def __init__(self) -> None:
         self.open: dict[str, LifecycleEvent] = {}
@@ -135,6 +140,7 @@ class ExecutionFollowsScheduler:
 
     invariant = "INV-002"
     rule = "executors and workers run exactly the ids the scheduler emitted, in its order"
+    events = (WaveEvent, RunnerEvent)
 
     def __init__(self) -> None:
         self.waves: dict[int, WaveEvent] = {}
@@ -334,6 +340,7 @@ class HooksNotLifecycles:
 
     invariant = "INV-004"
     rule = "optional features and components attach at the lifecycle's hooks, never beside it"
+    events = (LifecycleEvent, WaveEvent, DeliveryEvent)
 
     def __init__(self) -> None:
         self.states: Recent[str, RequestStatus] = Recent()
@@ -376,6 +383,7 @@ class ResultsKeepIdentity:
 
     invariant = "INV-005"
     rule = "every result stays with its request id, independent of batch composition"
+    events = (LifecycleEvent, RunnerEvent, DeliveryEvent)
 
     def __init__(self) -> None:
         self.digests: Recent[str, DeliveryEvent] = Recent()
@@ -454,6 +462,7 @@ class PreemptionKeepsState:
 
     invariant = "INV-006"
     rule = "a preempted request keeps its runner state and resumes from it"
+    events = (LifecycleEvent, WaveEvent, RunnerEvent, EngineEvent)
 
     def __init__(self) -> None:
         self.held: set[str] = set()
@@ -554,7 +563,7 @@ class Auditor:
         checkers: Iterable[InvariantChecker] | None = None,
         on_violation: Callable[[Violation], None] | None = None,
     ) -> None:
-        self.checkers = list(default_checkers() if checkers is None else checkers)
+        self.checkers = tuple(default_checkers() if checkers is None else checkers)
         self.on_violation = on_violation
         self.violations: list[Violation] = []
         self.complete = False
@@ -564,6 +573,7 @@ class Auditor:
         self._finished = False
         self._waves_in_view: set[int] = set()
         self._admitted_in_view: Recent[str, None] = Recent()
+        self._feeds_by_kind: dict[type, tuple[Callable[[TraceEvent], list[Violation]], ...]] = {}
 
     def feed(self, event: TraceEvent) -> None:
         self.events_seen += 1
@@ -574,9 +584,23 @@ class Auditor:
         in_view = event if self.saw_start else self._in_view(event)
         if in_view is None:
             return
-        for checker in self.checkers:
-            for violation in checker.feed(in_view):
-                self._record(violation)
+        kind = type(in_view)
+        feeds = self._feeds_by_kind.get(kind)
+        if feeds is None:
+            feeds = self._feeds_by_kind[kind] = self._feeds_for(kind)
+        for feed in feeds:
+            found = feed(in_view)
+            if found:
+                for violation in found:
+                    self._record(violation)
+
+    def _feeds_for(self, kind: type) -> tuple[Callable[[TraceEvent], list[Violation]], ...]:
+        """The ``feed`` of every checker that reads events of class ``kind``."""
+        return tuple(
+            checker.feed
+            for checker in self.checkers
+            if issubclass(kind, getattr(checker, "events", object))
+        )
 
     def _in_view(self, event: TraceEvent) -> TraceEvent | None:
         """For an auditor that joined late: the part of ``event`` about requests it saw admitted."""

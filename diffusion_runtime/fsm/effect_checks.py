@@ -28,6 +28,7 @@ class WavesFollowPolicy:
 
     invariant = "INV-007"
     rule = "a wave holds at most max_num_seqs requests, sharing one compatibility key"
+    events = (WaveEvent,)
 
     def feed(self, event: TraceEvent) -> list[Violation]:
         if not isinstance(event, WaveEvent):
@@ -58,6 +59,7 @@ class AbortsTakeEffect:
 
     invariant = "INV-008"
     rule = "an abort of an active request ends it ABORTED before the next wave starts"
+    events = (LifecycleEvent, AbortEvent, WaveEvent, EngineEvent)
 
     def __init__(self) -> None:
         self.states: Recent[str, RequestStatus] = Recent()
@@ -118,6 +120,7 @@ class StepsAsRequested:
 
     invariant = "INV-009"
     rule = "a completed request ran exactly its requested number of denoising steps"
+    events = (WaveEvent, RunnerEvent, LifecycleEvent)
 
     def __init__(self) -> None:
         self.requested: dict[str, int] = {}
@@ -192,6 +195,7 @@ class OutputsSayWhetherFinal:
 
     invariant = "INV-010"
     rule = "progress outputs are never final, and final outputs carry a terminal status"
+    events = (DeliveryEvent,)
 
     def feed(self, event: TraceEvent) -> list[Violation]:
         if not isinstance(event, DeliveryEvent):
