@@ -10,7 +10,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import ray
 from ray import cloudpickle
 
@@ -18,6 +17,7 @@ from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import EngineDeadError, InvalidFieldError, RPCError
 from diffusion_runtime.executor.base import DiffusionExecutor, check_request_input
+from diffusion_runtime.executor.portable import require_serialisable, with_portable_pipeline
 from diffusion_runtime.executor.ray.connection import RayConnection
 from diffusion_runtime.executor.ray.failures import is_lost_worker, remote_cause
 from diffusion_runtime.executor.ray.group import RayWorkerGroup
@@ -29,7 +29,6 @@ from diffusion_runtime.executor.rpc_checks import (
     checked_reply_rank,
     checked_timeout,
 )
-from diffusion_runtime.pipelines.registry import BUILTIN_PIPELINES, resolve_pipeline_factory
 from diffusion_runtime.runner.faults import is_sticky_device_fault
 from diffusion_runtime.sampling_params import SamplingParams
 
@@ -224,32 +223,24 @@ class RayExecutor(DiffusionExecutor):
 
 def _portable_config(config: EngineConfig) -> EngineConfig:
     """``config`` as the actors receive it: a pipeline registered in this process by
-    name is sent as its factory; whatever is sent must serialise."""
-    pipeline = config.pipeline
-    if isinstance(pipeline, str) and not _importable_name(pipeline):
-        pipeline = resolve_pipeline_factory(pipeline)  # raises for an unknown name
-    for field, value in (
-        ("pipeline", pipeline),
-        ("pipeline_kwargs", config.pipeline_kwargs),
-        ("worker_extensions", config.worker_extensions),
-    ):
-        try:
-            _serialise(value)
-        except (pickle.PicklingError, AttributeError, TypeError) as exc:
-            raise InvalidFieldError(
-                "EngineConfig", field, "must be serialisable to reach Ray worker actors", value
-            ) from exc
-    return config if pipeline is config.pipeline else attrs.evolve(config, pipeline=pipeline)
+    name is sent as its factory; whatever is sent must serialise (cloudpickle)."""
+    config = with_portable_pipeline(config)
+    rule = "must be serialisable to reach Ray worker actors"
+    require_serialisable(
+        [
+            ("pipeline", config.pipeline, rule),
+            ("pipeline_kwargs", config.pipeline_kwargs, rule),
+            ("worker_extensions", config.worker_extensions, rule),
+        ],
+        _serialise,
+    )
+    return config
 
 
 def _serialise(value: object) -> bytes:
     """``value`` as Ray sends it to an actor (cloudpickle: lambdas and local classes too)."""
     data: bytes = cloudpickle.dumps(value)  # type: ignore[no-untyped-call]
     return data
-
-
-def _importable_name(name: str) -> bool:
-    return name in BUILTIN_PIPELINES or ":" in name or "." in name
 
 
 def _report_failure(executor_ref: weakref.ref[RayExecutor], reason: str) -> None:
