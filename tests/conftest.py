@@ -3,6 +3,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,16 @@ def assert_device_memory_at(baseline: tuple[int, int]) -> None:
     assert in_use <= baseline[1] + DEVICE_MEMORY_SLACK_BYTES, (
         f"{in_use - baseline[1]} more bytes in use on the device than before"
     )
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def child_pids() -> set[int]:

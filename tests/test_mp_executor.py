@@ -26,7 +26,14 @@ import attrs
 import hypothesis.strategies as st
 import pytest
 import torch
-from conftest import child_pids, engine_threads, factory_of, suite_device, suite_device_index
+from conftest import (
+    child_pids,
+    engine_threads,
+    factory_of,
+    suite_device,
+    suite_device_index,
+    wait_for,
+)
 from hypothesis import HealthCheck, settings
 
 from diffusion_runtime import (
@@ -164,15 +171,6 @@ register_pipeline("mp-test-lambda", lambda device: SeededNoisePipeline(device))
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def our_threads() -> list[str]:

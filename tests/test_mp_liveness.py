@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from conftest import child_pids, engine_threads
+from conftest import child_pids, engine_threads, wait_for
 
 from diffusion_runtime import (
     DiffusionEngine,
@@ -78,15 +78,6 @@ def run_in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
 
     threading.Thread(target=body, daemon=True).start()
     return future
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def process_exists(pid: int) -> bool:
