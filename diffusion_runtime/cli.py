@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -23,6 +24,7 @@ from diffusion_runtime.cli_checks import (
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.errors import DiffusionRuntimeError
+from diffusion_runtime.fsm.events import TraceEvent
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 
@@ -218,30 +220,79 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from diffusion_runtime.fsm.audit import audit_events
+    if (args.trace is None) == (args.replay is None):
+        raise CommandError("audit takes a TRACE to check or --replay FILE to rerun (one of them)")
+    if args.replay is not None:
+        return _audit_replay(args)
+    if args.trace_out is not None:
+        raise CommandError("--trace OUT.jsonl goes with --replay FILE")
     from diffusion_runtime.fsm.trace import read_trace
 
     try:
         events = list(read_trace(args.trace))
     except OSError as exc:
         raise CommandError(f"cannot read the trace {args.trace!r}: {exc.strerror}") from None
+    return 1 if _report_audit(events, args.perfetto, f"in {args.trace}") else 0
+
+
+def _audit_replay(args: argparse.Namespace) -> int:
+    """Rerun a failing harness example; 1 when it fails again, 0 when it does not."""
+    from diffusion_runtime.fsm.trace import read_trace
+
+    try:
+        from diffusion_runtime.testing.replay import rerun
+        from diffusion_runtime.testing.replay_file import ReplayFile
+    except ImportError as exc:
+        raise CommandError(f"--replay needs the test extra (hypothesis): {exc}") from None
+    replay = ReplayFile.read(Path(args.replay))
+    with tempfile.TemporaryDirectory(prefix="diffusion-runtime-replay-") as scratch:
+        trace = Path(args.trace_out or Path(scratch) / "replay.jsonl")
+        try:
+            trace.touch()
+        except OSError as exc:
+            raise CommandError(f"--trace {str(trace)!r} is not writable: {exc.strerror}") from None
+        outcome = rerun(replay, trace)
+        events = list(read_trace(trace))
+    for line in outcome.steps:
+        print(line)
+    if not outcome.reproduced:
+        print(
+            f"did not reproduce: {outcome.message}\n"
+            "A replay reruns the recorded choices against the code as it is now: a fix, "
+            "or a change to the pipeline, the harness or its options, can make them pass "
+            f"or mean another example. First reported: {replay.failure}"
+        )
+        return 0
+    print(f"failure: {outcome.message}")
+    if outcome.message != replay.failure:
+        print(f"first reported: {replay.failure}")
+    where = f"in the replayed trace{f' {args.trace_out}' if args.trace_out else ''}"
+    _report_audit(events, args.perfetto, where)
+    return 1
+
+
+def _report_audit(events: list[TraceEvent], perfetto: str | None, where: str) -> int:
+    """Print each violation with its events and a summary (and write ``perfetto``);
+    return the number of violations."""
+    from diffusion_runtime.fsm.audit import audit_events
+
     violations = audit_events(events)
-    if args.perfetto is not None:
+    if perfetto is not None:
         from diffusion_runtime.fsm.perfetto import chrome_trace
 
         try:
-            with open(args.perfetto, "w", encoding="utf-8") as out:
+            with open(perfetto, "w", encoding="utf-8") as out:
                 json.dump(chrome_trace(events, violations), out)
         except OSError as exc:
-            raise CommandError(f"cannot write {args.perfetto!r}: {exc.strerror}") from None
+            raise CommandError(f"cannot write {perfetto!r}: {exc.strerror}") from None
     for violation in violations:
         print(violation.describe())
     by_invariant: dict[str, int] = {}
     for violation in violations:
         by_invariant[violation.invariant] = by_invariant.get(violation.invariant, 0) + 1
     summary = ", ".join(f"{inv}: {n}" for inv, n in sorted(by_invariant.items())) or "none"
-    print(f"{len(violations)} violations ({summary}) in {args.trace}")
-    return 1 if violations else 0
+    print(f"{len(violations)} violations ({summary}) {where}")
+    return len(violations)
 
 
 BENCHMARKS = {
@@ -317,8 +368,22 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_options(evaluate)
     evaluate.set_defaults(func=cmd_eval)
 
-    audit = command("audit", "check a JSON-lines trace against the invariants")
-    audit.add_argument("trace", help="a trace written with EngineConfig(trace_path=...)")
+    audit = command(
+        "audit", "check a JSON-lines trace against the invariants, or rerun a failing example"
+    )
+    audit.add_argument("trace", nargs="?", help="a trace written with EngineConfig(trace_path=...)")
+    audit.add_argument(
+        "--replay",
+        metavar="FILE",
+        help="rerun the failing harness example of this replay file (the pytest plugin and "
+        "lifecycle_test_case write one); exit 1 when it fails again",
+    )
+    audit.add_argument(
+        "--trace",
+        dest="trace_out",
+        metavar="OUT.jsonl",
+        help="with --replay: write the rerun's trace here",
+    )
     audit.add_argument(
         "--perfetto",
         metavar="OUT.json",

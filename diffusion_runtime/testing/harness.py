@@ -18,9 +18,12 @@ A user's test file can be two lines::
 from __future__ import annotations
 
 import asyncio
+import sys
+import tempfile
 import time
 import unittest
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
@@ -49,7 +52,11 @@ from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.testing.core_harness import core_lifecycle_machine
 from diffusion_runtime.testing.reach import Reach
+from diffusion_runtime.testing.replay import replayable_test_case
 from diffusion_runtime.testing.strategies import sampling_params
+
+#: Where a failing ``lifecycle_test_case`` writes its replay file unless told otherwise.
+DEFAULT_REPLAY_DIR = Path(tempfile.gettempdir()) / "diffusion-runtime-replays"
 
 
 class EngineLifecycleMachine(RuleBasedStateMachine):
@@ -407,22 +414,29 @@ def lifecycle_test_case(
     *,
     target: str = "core",
     settings: Settings | None = None,
+    replay_dir: Path | None = None,
     **options: Any,
 ) -> type[unittest.TestCase]:
     """A ``unittest``/pytest test case running a harness over engines built from ``config()``.
 
     ``target="core"`` (the default) drives an engine core step by step,
-    deterministically (options: ``core_lifecycle_machine``); ``target="front"``
-    drives a :class:`DiffusionEngine` through its async API and threads
-    (options: :func:`lifecycle_machine`).
+    deterministically (options: ``core_lifecycle_machine``); a failure writes
+    a replay file (in ``replay_dir``, by default the temporary directory's
+    ``diffusion-runtime-replays``) that ``diffusion-runtime audit --replay``
+    reruns. ``target="front"`` drives a :class:`DiffusionEngine` through its
+    async API and threads (options: :func:`lifecycle_machine`).
     """
     machine: type[RuleBasedStateMachine]
     if target == "core":
         machine = core_lifecycle_machine(config, **options)
+        # Named after the caller's module, as namedtuple does, so a replay finds it there.
+        module = sys._getframe(1).f_globals.get("__name__", "__main__")
+        case = replayable_test_case(machine, module, replay_dir or DEFAULT_REPLAY_DIR)
     elif target == "front":
         machine = lifecycle_machine(config, **options)
+        case = machine.TestCase
     else:
         raise ValueError(f"target must be 'core' or 'front'; got {target!r}")
     if settings is not None:
-        machine.TestCase.settings = settings
-    return machine.TestCase
+        case.settings = settings  # type: ignore[attr-defined]
+    return case

@@ -5,8 +5,9 @@
 - ``engine_factory``: builds engines and closes them after the test.
 - ``lifecycle_harness``: runs the deterministic core harness over a config
   factory; a failure reports the shrunk rules (hypothesis prints them), the
-  violation with its events, and a trace file of the failing example that
-  ``diffusion-runtime audit`` re-checks (``--perfetto`` draws it).
+  violation with its events, a trace file of the failing example that
+  ``diffusion-runtime audit`` re-checks (``--perfetto`` draws it), and a
+  replay file that ``diffusion-runtime audit --replay`` reruns.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def lifecycle_harness(tmp_path: Path) -> LifecycleHarness:
         from hypothesis.stateful import run_state_machine_as_test
 
         from diffusion_runtime.testing.core_harness import core_lifecycle_machine
+        from diffusion_runtime.testing.replay import recipe_for_harness, record_failure
 
         trace = tmp_path / "failing-example.jsonl"
         machine = core_lifecycle_machine(config, trace_path=trace, **options)
@@ -108,13 +110,22 @@ def lifecycle_harness(tmp_path: Path) -> LifecycleHarness:
             derandomize=True,
             phases=[Phase.generate, Phase.shrink],
             suppress_health_check=list(HealthCheck),
+            print_blob=True,  # the replay file holds the blob
+            report_multiple_bugs=False,  # one failing example, one replay file
         )
         try:
             run_state_machine_as_test(machine, settings=settings)
         except Exception as exc:
+            replay = record_failure(
+                exc,
+                tmp_path,
+                lambda: recipe_for_harness(config, options),
+                settings,
+            )
             raise AssertionError(
                 f"{exc}\n\nThe failing example's trace: {trace}\n"
-                f"re-check it with: diffusion-runtime audit {trace} --perfetto trace.json"
+                f"re-check it with: diffusion-runtime audit {trace} --perfetto trace.json\n"
+                f"{replay}"
             ) from exc
 
     return run
