@@ -47,16 +47,29 @@ def test_the_auditing_guide_plugin_example_catches_the_broken_pipeline(tmp_path:
     assert run.returncode == 1, output
     assert "1 failed, 1 passed" in output, output
     assert "output differs from the pipeline run directly" in output, output
-    trace = re.search(r"The failing example's trace: (\S+)", output)
+    trace = re.search(r"^E +The failing example's trace: (\S+)$", output, re.M)
     assert trace is not None, output
-    audit = subprocess.run(
-        [sys.executable, "-m", "diffusion_runtime.cli", "audit", trace.group(1)],
+    audit = run_cli(tmp_path, "audit", trace.group(1))
+    assert "violations" in audit.stdout, audit.stdout + audit.stderr
+    replay = re.search(r"^E +The failing example's replay file: (\S+)$", output, re.M)
+    assert replay is not None, output
+    rerun = run_cli(tmp_path, "audit", "--replay", replay.group(1))
+    rerun_output = rerun.stdout + rerun.stderr
+    assert rerun.returncode == 1, rerun_output
+    assert "state.add_burst(" in rerun.stdout, rerun_output  # the example's rules
+    assert "failure: AssertionError: " in rerun.stdout, rerun_output
+    assert "output differs from the pipeline run directly" in rerun.stdout, rerun_output
+
+
+def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "diffusion_runtime.cli", *args],
+        cwd=cwd,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert "violations" in audit.stdout, audit.stdout + audit.stderr
 
 
 OVERFULL = """

@@ -1,0 +1,208 @@
+"""Replay files: written by a failing harness run as a user runs it (pytest in a
+subprocess, with the plugin), rerun by ``diffusion-runtime audit --replay``, and
+refused with one ``error:`` line when they cannot be used.
+
+The plugin's ``lifecycle_harness`` replay of the docs example is rerun in a
+separate process in ``test_pytest_plugin.py``; here the reruns go through the
+command line's ``main`` in this process, which is faster.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import hypothesis
+import pytest
+from test_pytest_plugin import run_pytest
+
+from diffusion_runtime import EngineConfig
+from diffusion_runtime.cli import main
+from diffusion_runtime.scheduler.request import Request
+from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+from diffusion_runtime.testing.pytest_plugin import LifecycleHarness
+
+OVERFULL_MODULE = "test_overfull_replay"
+
+OVERFULL = """
+from pathlib import Path
+
+from hypothesis import Phase, settings
+
+from diffusion_runtime import EngineConfig
+from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+from diffusion_runtime.testing import lifecycle_test_case
+
+
+class Overfull(RequestScheduler):
+    def next_wave(self):
+        return list(self.waiting.values())  # ignores max_num_seqs
+
+
+def config():
+    return EngineConfig(pipeline="testing-noise", device="cpu", max_num_seqs=2, warmup=False)
+
+
+TestOverfull = lifecycle_test_case(
+    config,
+    scheduler_cls=Overfull,
+    replay_dir=Path(__file__).parent / "replays",
+    settings=settings(
+        max_examples=20,
+        stateful_step_count=10,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate, Phase.shrink],
+    ),
+)
+
+"""
+
+
+@pytest.fixture
+def test_module_unloaded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A replay loads the test module it names: keep it out of this process's
+    modules and path once the test is done."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield
+    sys.modules.pop(OVERFULL_MODULE, None)
+
+
+def audit(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["audit", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_a_failing_test_case_replays_until_its_bug_is_fixed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], test_module_unloaded: None
+) -> None:
+    module = tmp_path / f"{OVERFULL_MODULE}.py"
+    module.write_text(OVERFULL)
+    run = run_pytest(tmp_path, f"{module.name}")
+    output = run.stdout + run.stderr
+    assert "1 failed" in output, output
+    replay = tmp_path / "replays" / f"{OVERFULL_MODULE}.TestOverfull.replay.json"
+    assert f"rerun it with: diffusion-runtime audit --replay {replay}" in output, output
+    recorded = json.loads(replay.read_text())
+    assert recorded["recipe"] == {
+        "type": "test_case",
+        "target": {"target": f"{OVERFULL_MODULE}:TestOverfull", "file": str(module)},
+    }
+    assert recorded["settings"] == {"stateful_step_count": 10, "derandomize": True, "seed": None}
+
+    trace, drawing = tmp_path / "replay.jsonl", tmp_path / "replay.json"
+    code, out, err = audit(
+        capsys, "--replay", str(replay), "--trace", str(trace), "--perfetto", str(drawing)
+    )
+    assert code == 1, out + err
+    assert "state = ConfiguredCoreLifecycle()" in out, out
+    assert "failure: AssertionError: INV-007" in out, out
+    assert "max_num_seqs is 2" in out and "{'kind': 'wave'" in out, out  # describe()
+    assert f"(INV-007: 1) in the replayed trace {trace}" in out, out
+    assert trace.read_text().count("\n") > 3
+    instants = [e["name"] for e in json.loads(drawing.read_text())["traceEvents"]]
+    assert "INV-007 violated" in instants
+
+    fixed = "return super().next_wave()"
+    module.write_text(OVERFULL.replace("return list(self.waiting.values())", fixed))
+    code, out, err = audit(capsys, "--replay", str(replay))
+    assert code == 0, out + err
+    assert "did not reproduce: " in out and "First reported: AssertionError: INV-007" in out
+
+
+class Overfull(RequestScheduler):
+    """A bug: waves ignore ``max_num_seqs``."""
+
+    def next_wave(self) -> list[Request]:
+        return list(self.waiting.values())
+
+
+def test_a_failure_whose_config_factory_has_no_name_reports_why_it_has_no_replay_file(
+    lifecycle_harness: LifecycleHarness,
+) -> None:
+    def config() -> EngineConfig:
+        return EngineConfig(pipeline="testing-noise", device="cpu", max_num_seqs=2, warmup=False)
+
+    with pytest.raises(AssertionError) as failure:
+        lifecycle_harness(config, scheduler_cls=Overfull, max_examples=20, steps=10)
+    report = str(failure.value)
+    assert "INV-007" in report and "The failing example's trace: " in report, report
+    assert "No replay file: the config factory (<function " in report, report
+    assert "has no importable name; define it at module level" in report, report
+
+
+def replay_file(tmp_path: Path, **changes: Any) -> Path:
+    fields: dict[str, Any] = {
+        "format": "diffusion-runtime-replay/1",
+        "hypothesis_version": hypothesis.__version__,
+        "blob": "AXicY2BgYAAAAAQAAQ==",
+        "settings": {"stateful_step_count": 10, "derandomize": True},
+        "recipe": {"type": "harness", "target": {"target": "tests_nowhere:config"}},
+        "failure": "AssertionError: recorded",
+    }
+    fields.update(changes)
+    path = tmp_path / "example.replay.json"
+    path.write_text(json.dumps({k: v for k, v in fields.items() if v is not None}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"hypothesis_version": "6.0.0"},
+            "hypothesis_version: the replay file was written by hypothesis 6.0.0 and this is",
+        ),
+        ({"blob": None}, "Object missing required field `blob`"),
+        ({"settings": {"stateful_step_count": "ten", "derandomize": True}}, "$.settings"),
+        ({"format": "other/1"}, "`$.format`"),
+        (
+            {},
+            "recipe.target: 'tests_nowhere:config' does not import: "
+            "ModuleNotFoundError: No module named 'tests_nowhere'",
+        ),
+        (
+            {"recipe": {"type": "test_case", "target": {"target": "os:getcwd"}}},
+            "recipe.target: 'os:getcwd' is not a core harness test case",
+        ),
+        (
+            {
+                "recipe": {
+                    "type": "harness",
+                    "target": {"target": "os:getcwd"},
+                    "options": {"colour": 3},
+                }
+            },
+            "recipe.options: got an unexpected keyword argument 'colour'",
+        ),
+    ],
+)
+def test_a_replay_file_that_cannot_be_used_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, Any], message: str
+) -> None:
+    code, out, err = audit(capsys, "--replay", str(replay_file(tmp_path, **changes)))
+    assert code == 2, out + err
+    [line] = err.splitlines()
+    assert line.startswith("error: ") and message in line, line
+    assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "audit takes a TRACE to check or --replay FILE to rerun"),
+        (("run.jsonl", "--replay", "x.json"), "audit takes a TRACE to check or --replay FILE"),
+        (("run.jsonl", "--trace", "out.jsonl"), "--trace OUT.jsonl goes with --replay FILE"),
+        (("--replay", "missing.json"), "cannot read the replay file 'missing.json'"),
+    ],
+)
+def test_audit_options_that_do_not_fit_are_refused(
+    capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str
+) -> None:
+    code, out, err = audit(capsys, *args)
+    assert code == 2 and message in err and "Traceback" not in out + err, out + err
