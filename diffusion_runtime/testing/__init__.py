@@ -5,7 +5,9 @@
 - :mod:`~diffusion_runtime.testing.strategies`: hypothesis strategies;
 - :mod:`~diffusion_runtime.testing.mutations`: broken runtimes the harness must catch;
 - :mod:`~diffusion_runtime.testing.pipelines`: small deterministic pipelines
-  with fault injection (no hypothesis needed).
+  with fault injection (no hypothesis needed);
+- :mod:`~diffusion_runtime.testing.replay`: failing examples as replay files
+  (format: :mod:`~diffusion_runtime.testing.replay_file`), and their reruns.
 
 The harness needs ``hypothesis`` (the ``test`` extra); it is imported on first use.
 """

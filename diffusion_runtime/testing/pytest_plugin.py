@@ -82,9 +82,10 @@ def engine_factory() -> Iterator[EngineFactory]:
 
 
 @pytest.fixture
-def lifecycle_harness(tmp_path: Path) -> LifecycleHarness:
+def lifecycle_harness(tmp_path: Path, request: pytest.FixtureRequest) -> LifecycleHarness:
     """``lifecycle_harness(config_factory, max_examples=50, steps=20, **options)`` runs the
-    core harness (options as for ``core_lifecycle_machine``) and fails the test on a bug."""
+    core harness (options as for ``core_lifecycle_machine``) and fails the test on a bug,
+    naming the failing example's trace file and replay file."""
 
     def run(
         config: Callable[[], EngineConfig],
@@ -119,7 +120,7 @@ def lifecycle_harness(tmp_path: Path) -> LifecycleHarness:
             replay = record_failure(
                 exc,
                 tmp_path,
-                lambda: recipe_for_harness(config, options),
+                lambda: recipe_for_harness(config, options, request.module),
                 settings,
             )
             raise AssertionError(

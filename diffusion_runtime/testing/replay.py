@@ -15,6 +15,7 @@ import sys
 import unittest
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import attrs
@@ -58,11 +59,14 @@ class ReplayOutcome:
 
 
 def recipe_for_harness(
-    config: Callable[[], EngineConfig], options: dict[str, Any]
+    config: Callable[[], EngineConfig],
+    options: dict[str, Any],
+    test_module: ModuleType | None = None,
 ) -> HarnessRecipe:
     """How to rebuild ``core_lifecycle_machine(config, **options)``; objects are
-    looked up by name in their own module or the config factory's."""
-    homes = tuple(m for m in [sys.modules.get(config.__module__)] if m is not None)
+    looked up by name in their own module, the config factory's or ``test_module``."""
+    candidates = [sys.modules.get(config.__module__), test_module]
+    homes = tuple(m for m in candidates if m is not None)
     recorded: dict[str, Reference | Scalar] = {}
     for name, value in options.items():
         if value is None or isinstance(value, (bool, int, float, str)):

@@ -39,7 +39,8 @@ class NotReplayable(Exception):
 
 class Reference(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """An importable object: ``target`` is ``module:qualname``; ``file`` is the
-    module's source, loaded from there when the module is not importable by name."""
+    module's source, which a top-level module (a test file) is loaded from, and
+    a package's module only when its name does not import."""
 
     target: str
     file: str | None = None
