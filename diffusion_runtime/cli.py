@@ -255,20 +255,21 @@ def _audit_replay(args: argparse.Namespace) -> int:
         events = list(read_trace(trace))
     for line in outcome.steps:
         print(line)
-    if not outcome.reproduced:
+    if outcome.reproduced:
+        print(f"failure: {outcome.message}")
+        if outcome.message != replay.failure:
+            print(f"first reported: {replay.failure}")
+    else:
+        print(f"did not reproduce: {outcome.message}")
         print(
-            f"did not reproduce: {outcome.message}\n"
-            "A replay reruns the recorded choices against the code as it is now: a fix, "
-            "or a change to the pipeline, the harness or its options, can make them pass "
-            f"or mean another example. First reported: {replay.failure}"
+            "A replay reruns the recorded choices against the code as it is now: a fix, or a "
+            "change to the pipeline, the harness or its options, can make them pass or mean "
+            "another example."
         )
-        return 0
-    print(f"failure: {outcome.message}")
-    if outcome.message != replay.failure:
         print(f"first reported: {replay.failure}")
     where = f"in the replayed trace{f' {args.trace_out}' if args.trace_out else ''}"
     _report_audit(events, args.perfetto, where)
-    return 1
+    return 1 if outcome.reproduced else 0
 
 
 def _report_audit(events: list[TraceEvent], perfetto: str | None, where: str) -> int:

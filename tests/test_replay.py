@@ -112,7 +112,7 @@ def test_a_failing_test_case_replays_until_its_bug_is_fixed(
     module.write_text(OVERFULL.replace("return list(self.waiting.values())", fixed))
     code, out, err = audit(capsys, "--replay", str(replay))
     assert code == 0, out + err
-    assert "did not reproduce: " in out and "First reported: AssertionError: INV-007" in out
+    assert "did not reproduce: " in out and "first reported: AssertionError: INV-007" in out
 
 
 class Overfull(RequestScheduler):
