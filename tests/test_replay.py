@@ -159,6 +159,7 @@ def replay_file(tmp_path: Path, **changes: Any) -> Path:
             "hypothesis_version: the replay file was written by hypothesis 6.0.0 and this is",
         ),
         ({"blob": None}, "Object missing required field `blob`"),
+        ({"blob": "not base64!"}, "blob: Invalid base64 encoded string"),
         ({"settings": {"stateful_step_count": "ten", "derandomize": True}}, "$.settings"),
         ({"format": "other/1"}, "`$.format`"),
         (

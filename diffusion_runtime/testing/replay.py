@@ -22,7 +22,8 @@ import attrs
 import hypothesis
 from hypothesis import HealthCheck, reproduce_failure
 from hypothesis import settings as Settings
-from hypothesis.errors import DidNotReproduce
+from hypothesis.core import decode_failure
+from hypothesis.errors import DidNotReproduce, InvalidArgument
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -136,6 +137,10 @@ def rerun(replay: ReplayFile, trace_path: Path) -> ReplayOutcome:
             f"replays only on the version that wrote it (pip install "
             f"hypothesis=={replay.hypothesis_version})"
         )
+    try:
+        decode_failure(replay.blob.encode())
+    except InvalidArgument as exc:
+        raise ReplayFileError(f"blob: {exc}") from None
     machine = _rebuild(replay.recipe)
     replayed = type(machine.__name__, (machine,), {"trace_path": trace_path, "reach": Reach()})
     reproduce_failure(replay.hypothesis_version, replay.blob.encode())(replayed)
