@@ -82,6 +82,12 @@ class EngineCore:
     must have passed :meth:`validate` (fronts do this before admitting it).
     After :class:`EngineDeadError` the core is dead for good: every request
     has failed and every later :meth:`step` raises the same error.
+
+    ``clock`` (seconds, never decreasing; default :func:`time.monotonic`) is the
+    time of the requests: their arrival and deadline, the ``now`` a step
+    schedules and drops late requests at, aging, the step cost model and the
+    timings in their outputs. A test may pass a virtual clock to make all of
+    these deterministic. Trace events keep the real monotonic time.
     """
 
     def __init__(
@@ -90,10 +96,12 @@ class EngineCore:
         *,
         scheduler_cls: type[BaseScheduler] | None = None,
         executor: DiffusionExecutor | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig; got {type(config).__name__}")
         self.config = config
+        self.clock = clock
         self.machine: RequestMachine[Request] = RequestMachine()
         self.auditor: Auditor | None = None
         self._trace_writer: JsonlTraceWriter | None = None
@@ -123,6 +131,7 @@ class EngineCore:
                     f"but the engine runs in {config.resolved_mode} mode"
                 )
             self.scheduler = scheduler_cls(self.machine, config)
+            self.scheduler.clock = clock
             self.machine.add_hook(Hook.TERMINAL, self._release_executor_bookkeeping)
             self.machine.add_hook(Hook.TERMINAL, self._drop_intermediate_outputs)
         except BaseException:
@@ -147,8 +156,9 @@ class EngineCore:
     ) -> None:
         """Admit a validated request at the back of the waiting queue.
 
-        Raises :class:`~diffusion_runtime.errors.DuplicateRequestError` for an id
-        in use and :class:`~diffusion_runtime.errors.QueueFullError` at
+        ``arrival_time`` (on the core's clock) defaults to now. Raises
+        :class:`~diffusion_runtime.errors.DuplicateRequestError` for an id in
+        use and :class:`~diffusion_runtime.errors.QueueFullError` at
         ``max_waiting_requests``; the request is then not admitted.
         """
         self._check_alive()
@@ -157,7 +167,8 @@ class EngineCore:
         if params is not cached_params:
             batch_key = self.scheduler.batch_key_for(params)
             self._last_batch_key = (params, batch_key)
-        request = Request(request_id, prompt, params, seed, batch_key, arrival_time)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        request = Request(request_id, prompt, params, seed, batch_key, arrival)
         self.scheduler.add_request(request)
 
     def abort(self, request_ids: Iterable[str], reason: str = "aborted by the caller") -> None:
@@ -237,7 +248,7 @@ class EngineCore:
         self._pending = []
         self._release_due = False  # this step's output carries every id finished so far
         self.executor.check_health()
-        now = time.monotonic()
+        now = self.clock()
         expired = self.scheduler.expire_waiting(now)
         self._deliveries.put(self._final_output(ended, None) for ended in expired)
         output = self._trace_wave(self.scheduler.schedule(now))
@@ -306,7 +317,8 @@ class EngineCore:
     def _final_output(self, ended: Ended, images: torch.Tensor | None) -> _Outgoing:
         request, event = ended
         completed = event.dest is RequestStatus.FINISHED_COMPLETED
-        scheduled = request.scheduled_time
+        scheduled, finished = request.scheduled_time, request.finished_time
+        assert finished is not None, "the scheduler's terminal hook stamps finished_time"
         output = RequestOutput(
             request_id=request.request_id,
             status=event.dest,
@@ -315,10 +327,10 @@ class EngineCore:
             seed=request.seed,
             error=None if completed else event.reason,
             metrics=RequestMetrics(
-                queue_time_s=(scheduled if scheduled is not None else event.time)
+                queue_time_s=(scheduled if scheduled is not None else finished)
                 - request.arrival_time,
-                execution_time_s=0.0 if scheduled is None else event.time - scheduled,
-                total_time_s=event.time - request.arrival_time,
+                execution_time_s=0.0 if scheduled is None else finished - scheduled,
+                total_time_s=finished - request.arrival_time,
             ),
             step=request.step_index if request.num_steps is not None else None,
             num_steps=request.num_steps,

@@ -13,10 +13,11 @@ from diffusion_runtime.fsm.machine import (
     RequestMachine,
     Trigger,
 )
-from diffusion_runtime.fsm.states import TERMINAL_STATES, RequestStatus
+from diffusion_runtime.fsm.states import DEADLINE_REASON, TERMINAL_STATES, RequestStatus
 
 __all__ = [
     "ADMIT",
+    "DEADLINE_REASON",
     "ENTRY_HOOKS",
     "TERMINAL_STATES",
     "TRANSITION_TABLE",

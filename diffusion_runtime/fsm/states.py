@@ -34,3 +34,7 @@ TERMINAL_STATES: frozenset[RequestStatus] = frozenset(
         RequestStatus.FINISHED_ERROR,
     }
 )
+
+#: The reason of a request aborted because its deadline passed while it waited
+#: (``EngineConfig(deadline_miss="drop")``).
+DEADLINE_REASON = "deadline"

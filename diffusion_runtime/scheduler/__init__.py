@@ -1,7 +1,8 @@
 """Scheduling policy: which requests run in the next wave or step."""
 
 from diffusion_runtime.contracts import NewRequestData, SchedulerOutput
-from diffusion_runtime.scheduler.base import DEADLINE_REASON, BaseScheduler, Ended
+from diffusion_runtime.fsm import DEADLINE_REASON
+from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 from diffusion_runtime.scheduler.policies import (
     EarliestDeadlinePolicy,
     FifoPolicy,

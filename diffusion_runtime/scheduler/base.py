@@ -13,14 +13,19 @@ from typing import Any, ClassVar, NamedTuple
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import DuplicateRequestError, QueueFullError
-from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine, RequestStatus, Trigger
+from diffusion_runtime.fsm import (
+    DEADLINE_REASON,
+    Hook,
+    LifecycleEvent,
+    RequestMachine,
+    RequestStatus,
+    Trigger,
+)
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.policies import SchedulingPolicy, resolve_policy_class
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.step_cost import StepCostModel
 
-#: The reason of a request aborted because its deadline passed while it waited.
-DEADLINE_REASON = "deadline"
 #: The states in which a request whose deadline passes is dropped (``deadline_miss="drop"``).
 _DROPPABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
@@ -57,7 +62,9 @@ class BaseScheduler(abc.ABC):
     #: then do finished ids travel in ``finished_ids``: in request mode a
     #: worker holds nothing once a wave is done, so nothing is sent to release.
     keeps_runner_state: ClassVar[bool] = False
-    #: The clock that times waves for the step cost model (a simulation may replace it).
+    #: The time of the requests: it times waves for the step cost model and stamps
+    #: ``scheduled_time``/``finished_time``. The core sets it to its own clock, so
+    #: it agrees with arrival times, deadlines and the ``now`` given to :meth:`schedule`.
     clock: Callable[[], float] = staticmethod(time.monotonic)
 
     def __init__(self, machine: RequestMachine[Request], config: EngineConfig) -> None:
@@ -185,8 +192,8 @@ class BaseScheduler(abc.ABC):
         return bool(self._finished_ids)
 
     def next_wakeup(self) -> float | None:
-        """The monotonic time at which :meth:`schedule` may have new work, if it is
-        waiting (here: the next deadline that drops a request)."""
+        """The time (on :attr:`clock`) at which :meth:`schedule` may have new work,
+        if it is waiting (here: the next deadline that drops a request)."""
         return self._deadlines[0][0] if self._deadlines else None
 
     # -- one tick ------------------------------------------------------------------
@@ -345,7 +352,7 @@ class BaseScheduler(abc.ABC):
         del self.waiting[request.request_id]
         self.running[request.request_id] = request
         if request.scheduled_time is None:
-            request.scheduled_time = event.time
+            request.scheduled_time = self.clock()
 
     def _on_preempted(self, request: Request, event: LifecycleEvent) -> None:
         del self.running[request.request_id]
@@ -376,6 +383,6 @@ class BaseScheduler(abc.ABC):
             del self.running[request_id]
         else:
             del self.waiting[request_id]
-        request.finished_time = event.time
+        request.finished_time = self.clock()
         if self.keeps_runner_state and request.scheduled_time is not None:  # workers saw it
             self._finished_ids.append(request_id)

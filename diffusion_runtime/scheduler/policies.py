@@ -42,7 +42,7 @@ class SchedulingPolicy(abc.ABC):
 
     @abc.abstractmethod
     def rank(self, request: Request, now: float) -> Rank:
-        """The request's place at monotonic time ``now``: lower runs first."""
+        """The request's place at time ``now`` (the core's clock): lower runs first."""
 
     def choose_batch(self, batches: Sequence[Sequence[Request]], now: float) -> int:
         """Which batch runs next: ``batches`` hold the best-ranked requests of each
