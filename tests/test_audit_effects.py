@@ -1,4 +1,4 @@
-"""INV-007..009 (policy and effect) online and offline, and the Perfetto export."""
+"""INV-007..011 (policy and effect) online and offline, and the Perfetto export."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, SamplingParams
 from diffusion_runtime.cli import main
-from diffusion_runtime.fsm import RequestStatus
+from diffusion_runtime.fsm import DEADLINE_REASON, RequestStatus
 from diffusion_runtime.fsm.audit import audit_events
 from diffusion_runtime.fsm.events import (
     AbortEvent,
@@ -22,7 +22,7 @@ from diffusion_runtime.fsm.perfetto import chrome_trace
 from diffusion_runtime.fsm.trace import read_trace
 from diffusion_runtime.testing.mutations import CATALOGUE
 
-W, R = RequestStatus.WAITING, RequestStatus.RUNNING
+W, R, P = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED
 DONE, ABORTED = RequestStatus.FINISHED_COMPLETED, RequestStatus.FINISHED_ABORTED
 
 
@@ -77,6 +77,20 @@ def test_a_completion_after_the_wrong_number_of_steps_is_flagged() -> None:
 def test_a_progress_output_marked_final_is_flagged() -> None:
     events: list[TraceEvent] = [admitted("a"), DeliveryEvent("a", R, True, "", "", 1.0)]
     assert "INV-010" in invariants(events)
+
+
+def test_a_deadline_drop_of_a_running_request_is_flagged() -> None:
+    def dropped_from(source: RequestStatus) -> list[str]:
+        drop = LifecycleEvent("a", source, ABORTED, "abort", None, 2.0, DEADLINE_REASON)
+        events: list[TraceEvent] = [admitted("a"), drop]
+        if source is not W:
+            events.insert(1, LifecycleEvent("a", W, R, "schedule", 0, 1.0))
+        if source is P:
+            events.insert(2, LifecycleEvent("a", R, P, "preempt", None, 1.5))
+        return [v.message for v in audit_events(events) if v.invariant == "INV-011"]
+
+    assert dropped_from(R) == ["dropped for its deadline while RUNNING"]
+    assert dropped_from(W) == dropped_from(P) == []
 
 
 def test_new_event_fields_survive_the_json_round_trip() -> None:

@@ -1,4 +1,4 @@
-"""The invariant auditor: checks INV-001..010 over a stream of trace events.
+"""The invariant auditor: checks INV-001..011 over a stream of trace events.
 
 Each invariant is a small checker with two methods: ``feed(event)`` returns the
 violations an event reveals, and ``finish(complete)`` those only visible at the
@@ -17,6 +17,7 @@ import attrs
 
 from diffusion_runtime.fsm.effect_checks import (
     AbortsTakeEffect,
+    DeadlineDropsOnlyWaiting,
     OutputsSayWhetherFinal,
     StepsAsRequested,
     WavesFollowPolicy,
@@ -531,7 +532,7 @@ class PreemptionKeepsState:
 
 
 def default_checkers() -> list[InvariantChecker]:
-    """One checker per invariant, INV-001 to INV-010."""
+    """One checker per invariant, INV-001 to INV-011."""
     return [
         OneLifecycleOwner(),
         ExecutionFollowsScheduler(),
@@ -543,6 +544,7 @@ def default_checkers() -> list[InvariantChecker]:
         AbortsTakeEffect(),
         StepsAsRequested(),
         OutputsSayWhetherFinal(),
+        DeadlineDropsOnlyWaiting(),
     ]
 
 

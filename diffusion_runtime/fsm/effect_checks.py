@@ -1,5 +1,5 @@
 """Checkers of policy and effect: what a wave may hold, and that aborts, step
-counts and output flags do what they say (INV-007..010).
+counts, output flags and deadline drops do what they say (INV-007..011).
 
 INV-001..006 check that the runtime's records agree with each other; these
 check that the records agree with what was asked for: the engine's capacity,
@@ -18,7 +18,7 @@ from diffusion_runtime.fsm.events import (
     TraceEvent,
     WaveEvent,
 )
-from diffusion_runtime.fsm.states import TERMINAL_STATES, RequestStatus
+from diffusion_runtime.fsm.states import DEADLINE_REASON, TERMINAL_STATES, RequestStatus
 from diffusion_runtime.fsm.violation import Recent, Violation
 
 
@@ -211,3 +211,41 @@ class OutputsSayWhetherFinal:
 
     def finish(self, complete: bool) -> list[Violation]:
         return []
+
+
+class DeadlineDropsOnlyWaiting:
+    """A request is dropped for its deadline only while it waits (``WAITING`` or
+    ``PREEMPTED``): one that runs when its deadline passes runs on.
+
+    Whether the deadline had passed is not checked here: deadlines live on the
+    core's clock and event times on the real one, so the two are never compared.
+    The deterministic harness checks it on its virtual clock.
+    """
+
+    invariant = "INV-011"
+    rule = "a request is aborted for its deadline only while WAITING or PREEMPTED"
+
+    def feed(self, event: TraceEvent) -> list[Violation]:
+        if not (
+            isinstance(event, LifecycleEvent)
+            and event.reason == DEADLINE_REASON
+            and event.dest is RequestStatus.FINISHED_ABORTED
+            and not event.rejected
+            and event.source not in _DROPPABLE
+        ):
+            return []
+        return [
+            Violation(
+                self.invariant,
+                event.request_id,
+                f"dropped for its deadline while {event.source}",
+                (event,),
+            )
+        ]
+
+    def finish(self, complete: bool) -> list[Violation]:
+        return []
+
+
+#: The states in which a request may be dropped for its deadline.
+_DROPPABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
