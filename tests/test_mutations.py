@@ -8,6 +8,7 @@ layer); ``pytest -m slow`` runs all of it.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import hypothesis.strategies as st
 import pytest
@@ -16,6 +17,11 @@ from hypothesis.stateful import RuleBasedStateMachine
 
 from diffusion_runtime import EngineConfig
 from diffusion_runtime.testing.core_harness import CoreLifecycleMachine, core_lifecycle_machine
+from diffusion_runtime.testing.deadline_harness import (
+    TICK_S,
+    DeadlineCoreLifecycleMachine,
+    deadlines,
+)
 from diffusion_runtime.testing.harness import EngineLifecycleMachine, lifecycle_machine
 from diffusion_runtime.testing.mutations import CATALOGUE, Mutation, hunt
 from diffusion_runtime.testing.preemption_harness import PreemptiveCoreLifecycleMachine
@@ -44,6 +50,8 @@ FAST_SUBSET = {
     "preemption-frees-state",
     "preempted-in-wave",
     "preempted-end-leaks-state",
+    "deadline-drops-running",
+    "preempted-deadline-forgotten",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -69,6 +77,18 @@ REQUIRED_REACH = {
         "path: abort of a preempted request": 5,
         "path: close with a preempted request": 3,
     },
+    "deadline-slo-drop": {
+        "path: dropped at its deadline": 30,
+        "path: dropped at its deadline while preempted": 8,
+        "path: a deadline fell exactly on a step": 12,
+        "path: slo demoted a late request": 10,
+    },
+    "deadline-edf-run_late": {
+        "path: edf preempted for an earlier deadline": 5,
+        "path: a late request completed": 25,
+        "path: a deadline fell exactly on a step": 25,
+        "path: an aged request ran first": 50,
+    },
     "front": {
         "path: close with blocked readers": 5,
         "path: consumer dropped while its request was active": 5,
@@ -76,13 +96,23 @@ REQUIRED_REACH = {
 }
 
 
-def params(mode: str, priorities: tuple[int, int] = (0, 0)) -> st.SearchStrategy:  # type: ignore[type-arg]
+def params(
+    mode: str,
+    priorities: tuple[int, int] = (0, 0),
+    deadline_s: st.SearchStrategy[float | None] | None = None,
+) -> st.SearchStrategy:  # type: ignore[type-arg]
     # Step mode needs requests that stay running long enough to be aborted mid-flight.
     steps = (1, 3) if mode == "request" else (2, 6)
-    return sampling_params(steps=steps, outputs=(1, 2), guidance=[1.0, 2.0], priorities=priorities)
+    return sampling_params(
+        steps=steps,
+        outputs=(1, 2),
+        guidance=[1.0, 2.0],
+        priorities=priorities,
+        deadlines=deadline_s,
+    )
 
 
-def config(mode: str, backend: str = "uni", policy: str = "fifo") -> EngineConfig:
+def config(mode: str, backend: str = "uni", policy: str = "fifo", **more: Any) -> EngineConfig:
     return EngineConfig(
         pipeline="testing-faults",
         device="cpu",
@@ -92,6 +122,7 @@ def config(mode: str, backend: str = "uni", policy: str = "fifo") -> EngineConfi
         streaming_output=mode == "step",  # streaming selects step mode
         preview_interval=1,
         scheduling_policy=policy,
+        **more,
     )
 
 
@@ -121,6 +152,22 @@ def preempt_harness() -> type[CoreLifecycleMachine]:
     )
 
 
+def deadline_harness(
+    policy: str = "slo", miss: str = "drop", mode: str = "step"
+) -> type[CoreLifecycleMachine]:
+    """The core on a virtual clock under a deadline-aware policy: deadlines and
+    priorities drawn per request; aging after 24 ticks, so it is reached."""
+    return core_lifecycle_machine(
+        lambda: config(mode, policy=policy, deadline_miss=miss, scheduling_aging_s=24 * TICK_S),
+        prompts=st.sampled_from(["cat", "dog", 7]),
+        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
+        fatal_prompts=st.just("device-fault"),
+        params=params(mode, priorities=(0, 3), deadline_s=deadlines()),
+        rpc_timeouts=st.sampled_from([1e-6, None, 5.0]),
+        base=DeadlineCoreLifecycleMachine,
+    )
+
+
 def front_harness(mode: str) -> type[EngineLifecycleMachine]:
     machine = lifecycle_machine(
         lambda: front_config(mode),
@@ -143,13 +190,15 @@ def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
         return front_harness(mode)
     if target == "preempt":
         return preempt_harness()
+    if target == "deadline":
+        return deadline_harness()
     return core_harness(mode, "mp" if target == "mp" else "uni")
 
 
 def test_catalogue_is_large_and_named_uniquely() -> None:
     assert len(CATALOGUE) >= 30
     assert len({m.name for m in CATALOGUE}) == len(CATALOGUE)
-    assert {m.target for m in CATALOGUE} == {"core", "mp", "front", "preempt"}
+    assert {m.target for m in CATALOGUE} == {"core", "mp", "front", "preempt", "deadline"}
     assert {m.name for m in CATALOGUE} >= FAST_SUBSET
 
 
@@ -173,6 +222,28 @@ def test_the_real_runtime_passes_with_preemption_and_reaches_every_path() -> Non
     print(machine.reach.table())
     assert not machine.reach.missing(REQUIRED_REACH["preempt"]), machine.reach.table()
     assert engine_threads() == []
+
+
+@pytest.mark.parametrize(("policy", "miss"), [("slo", "drop"), ("edf", "run_late")])
+def test_the_real_runtime_meets_deadlines_on_a_virtual_clock(policy: str, miss: str) -> None:
+    machine = deadline_harness(policy, miss)
+    assert hunt(None, machine, max_examples=MAX_EXAMPLES) is None
+    print(machine.reach.table())
+    required = REQUIRED_REACH[f"deadline-{policy}-{miss}"]
+    assert not machine.reach.missing(required), machine.reach.table()
+    assert engine_threads() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("policy", "miss", "mode"),
+    [("edf", "drop", "step"), ("slo", "run_late", "step"), ("slo", "drop", "request"),
+     ("edf", "run_late", "request")],
+)  # fmt: skip
+def test_the_real_runtime_meets_deadlines_in_every_configuration(
+    policy: str, miss: str, mode: str
+) -> None:
+    assert hunt(None, deadline_harness(policy, miss, mode), max_examples=MAX_EXAMPLES) is None
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ preemption among them (:mod:`.preemption_harness` adds the rules that reach it).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -100,7 +101,9 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         config = attrs.evolve(config, worker_extensions=(*config.worker_extensions, PROBE_PATH))
         self.config = config
         executor = self.executor_cls(config) if self.executor_cls is not None else None
-        self.core = EngineCore(config, scheduler_cls=self.scheduler_cls, executor=executor)
+        self.core = EngineCore(
+            config, scheduler_cls=self.scheduler_cls, executor=executor, clock=self.core_clock()
+        )
         self.auditor = Auditor()
         self.records: dict[str, RequestRecord] = {}
         self.past: list[RequestRecord] = []
@@ -121,6 +124,10 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             self._trace_writer = JsonlTraceWriter(self.trace_path)
             self.core.machine.subscribe(self._trace_writer)
         self.oracle = DirectOracle.for_config(config)
+
+    def core_clock(self) -> Callable[[], float]:
+        """The core's clock: the real one here; a subclass may return a virtual one."""
+        return time.monotonic
 
     # -- rules -------------------------------------------------------------------------
 

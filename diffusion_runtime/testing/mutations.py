@@ -29,6 +29,7 @@ from diffusion_runtime.runner.model_runner import ModelRunner
 from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+from diffusion_runtime.testing.deadline_mutations import DEADLINE_MUTATIONS
 from diffusion_runtime.testing.patching import replace_attribute as _replace
 from diffusion_runtime.testing.policy_mutations import POLICY_MUTATIONS
 from diffusion_runtime.testing.preemption_mutations import PREEMPTION_MUTATIONS
@@ -44,7 +45,8 @@ class Mutation:
     patch: Callable[[], contextlib.AbstractContextManager[None]]
     #: What the harness drives: ``"core"`` (an EngineCore, uni), ``"mp"`` (an
     #: EngineCore over the mp executor), ``"preempt"`` (an EngineCore under a
-    #: preemptive policy) or ``"front"`` (a DiffusionEngine).
+    #: preemptive policy), ``"deadline"`` (an EngineCore on a virtual clock under
+    #: the ``slo`` policy, dropping late requests) or ``"front"`` (a DiffusionEngine).
     target: str = "core"
 
 
@@ -309,7 +311,11 @@ _FIRST_CATALOGUE: tuple[Mutation, ...] = (
 #: Every mutation the harness must catch.
 CATALOGUE: tuple[Mutation, ...] = _FIRST_CATALOGUE + tuple(
     Mutation(name, bug, mode, patch, target)
-    for name, bug, mode, target, patch in (*POLICY_MUTATIONS, *PREEMPTION_MUTATIONS)
+    for name, bug, mode, target, patch in (
+        *POLICY_MUTATIONS,
+        *PREEMPTION_MUTATIONS,
+        *DEADLINE_MUTATIONS,
+    )
 )
 
 

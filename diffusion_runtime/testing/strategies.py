@@ -17,9 +17,11 @@ def sampling_params(
     sizes: list[int | None] | None = None,
     seeds: st.SearchStrategy[int] | None = None,
     priorities: tuple[int, int] = (0, 0),
+    deadlines: st.SearchStrategy[float | None] | None = None,
 ) -> st.SearchStrategy[SamplingParams]:
     """Valid, cheap sampling parameters with an explicit seed; ``priorities``
-    bounds the drawn ``priority`` (a preemptive policy preempts on it).
+    bounds the drawn ``priority`` (a preemptive policy preempts on it) and
+    ``deadlines`` draws ``deadline_s`` (default: no deadline).
 
     Small seed and step ranges make equal requests likely, which lets the
     identity checks compare outputs of equal inputs in different batches.
@@ -35,6 +37,7 @@ def sampling_params(
             height=st.just(size),
             width=st.just(size),
             priority=st.integers(*priorities),
+            deadline_s=deadlines if deadlines is not None else st.none(),
         )
 
     return st.sampled_from(sizes or [None]).flatmap(with_size)

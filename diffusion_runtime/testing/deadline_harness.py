@@ -1,0 +1,272 @@
+"""The preemptive core harness on a virtual clock: deadlines, aging and the
+deadline-aware policies (``edf``, ``slo``), checked deterministically.
+
+:class:`DeadlineCoreLifecycleMachine` gives the core a
+:class:`~diffusion_runtime.testing.virtual_clock.VirtualClock`. Time passes
+only by rules (a drawn number of ticks) and during waves (each wave takes
+a drawn time, zero included), so every deadline, drop, aging decision and
+step cost depends on draws alone, and a deadline can fall exactly on a step.
+Requests draw ``deadline_s`` (or none) and priorities; a rule sends a full
+wave of requests due in one tick.
+
+Beyond what the core and preemptive harnesses check, after every rule:
+
+- with ``deadline_miss="drop"``, a request is aborted with reason
+  ``"deadline"`` only if it was WAITING or PREEMPTED and its deadline was at
+  or before the step's time, and no waiting or preempted request whose
+  deadline had passed when a step began is still active after it;
+- with ``"run_late"``, no request is ever dropped for its deadline (late
+  requests complete: the core harness requires every untouched request to);
+- every wave follows the policy and the aging bound: the oldest request
+  that has aged is in the wave, and no left-out request of the wave's key
+  outranks one in it (aged before young, then ``edf`` by deadline, ``slo``
+  an on-time request or one without a deadline before a late one).
+
+Lifecycle event times stay on the real clock; deadlines are compared only
+with the virtual time of the step, here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+
+import attrs
+import hypothesis.strategies as st
+from hypothesis.stateful import invariant, precondition, rule
+
+from diffusion_runtime.fsm import DEADLINE_REASON, TERMINAL_STATES, LifecycleEvent, RequestStatus
+from diffusion_runtime.fsm.events import TraceEvent, WaveEvent
+from diffusion_runtime.scheduler.step_cost import DEFAULT_STEP_S
+from diffusion_runtime.testing.preemption_harness import PreemptiveCoreLifecycleMachine
+from diffusion_runtime.testing.virtual_clock import VirtualClock
+
+#: The harness's unit of virtual time: a binary fraction, so sums of ticks are exact.
+TICK_S = 2.0**-8
+#: The states a request waits in; only these may be dropped for a deadline.
+_WAITS = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+def deadlines(max_ticks: int = 8) -> st.SearchStrategy[float | None]:
+    """``deadline_s`` draws for the harness: none, or a whole number of ticks."""
+    return st.none() | st.integers(1, max_ticks).map(lambda ticks: ticks * TICK_S)
+
+
+class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
+    """The preemptive harness on a virtual clock; pass it as ``base=`` to
+    :func:`~diffusion_runtime.testing.core_harness.core_lifecycle_machine`
+    with params that draw deadlines (:func:`deadlines`) and a config naming
+    the policy (``edf``, ``slo``), ``deadline_miss`` and ``scheduling_aging_s``
+    (a few dozen ticks, so aging is reached)."""
+
+    def __init__(self) -> None:
+        self.clock = VirtualClock()
+        self.wave_s = 0.0
+        self.longest_wave_s = 0.0
+        self.step_now = 0.0
+        self.deadlines: dict[str, float | None] = {}
+        self.arrivals: dict[str, float] = {}
+        self.admission_order: dict[str, int] = {}
+        self._admissions = itertools.count()
+        self.preempted_since_wave: list[str] = []
+        self.deadline_problems: list[str] = []
+        super().__init__()
+
+    def core_clock(self) -> Callable[[], float]:
+        return self.clock
+
+    # -- rules -------------------------------------------------------------------------
+
+    @precondition(lambda self: self._alive)
+    @rule(data=st.data())
+    def let_time_pass(self, data: st.DataObject) -> None:
+        self.clock.advance(data.draw(st.integers(1, 4), label="ticks") * TICK_S)
+
+    @precondition(lambda self: self._alive and self._next_deadline() is not None)
+    @rule()
+    def let_time_pass_to_a_deadline(self) -> None:
+        """Time passes to exactly the next deadline of an active request: the step
+        that follows is due to drop it (the boundary a real clock never hits)."""
+        next_deadline = self._next_deadline()
+        assert next_deadline is not None
+        self.clock.advance(next_deadline - self.clock.now)
+
+    @precondition(lambda self: self._alive)
+    @rule(data=st.data())
+    def set_wave_time(self, data: st.DataObject) -> None:
+        """From now on every wave takes this long on the virtual clock (zero: no time)."""
+        self.wave_s = data.draw(st.integers(0, 3), label="wave ticks") * TICK_S
+
+    @precondition(lambda self: self._alive and any(map(self._is_active, self.records)))
+    @rule(data=st.data())
+    def add_urgent(self, data: st.DataObject) -> None:
+        """A step, then a full wave of requests due in one tick arrives, and a step:
+        ``edf`` preempts for them; ``slo`` demotes them once they cannot make it."""
+        self._step()
+        active = [self.records[rid].params for rid in self.records if self._is_active(rid)]
+        if self.dead or not active:
+            return
+        params = attrs.evolve(
+            data.draw(self.params),
+            deadline_s=TICK_S,
+            num_inference_steps=max(p.num_inference_steps for p in active),
+        )
+        for _ in range(self.config.max_num_seqs):
+            self._add(data, data.draw(self.prompts), params, failing=False)
+        self._step()
+
+    # -- invariants --------------------------------------------------------------------
+
+    @invariant()
+    def deadlines_and_ranking_hold(self) -> None:
+        assert not self.deadline_problems, self.deadline_problems[0]
+
+    # -- stepping on the virtual clock -------------------------------------------------
+
+    def _step(self, late_aborts: Callable[[], None] | None = None) -> None:
+        self.step_now = now = self.clock.now
+        due = sorted(
+            rid for rid, state in self.states.items() if state in _WAITS and self._passed(rid, now)
+        )
+        if any(self.deadlines[rid] == now for rid in due):
+            self.reach.note("path: a deadline fell exactly on a step")
+
+        def during_the_wave() -> None:
+            self.clock.advance(self.wave_s)
+            self.longest_wave_s = max(self.longest_wave_s, self.wave_s)
+            if late_aborts is not None:
+                late_aborts()
+
+        super()._step(during_the_wave)
+        if self.config.deadline_miss == "drop" and not self.dead:
+            survivors = [rid for rid in due if self.states[rid] not in TERMINAL_STATES]
+            assert not survivors, (
+                f"{survivors} waited past their deadlines at {now}, and are "
+                f"{[self.states[rid].name for rid in survivors]} after the step"
+            )
+
+    def _record(self, event: TraceEvent) -> None:
+        super()._record(event)
+        if isinstance(event, LifecycleEvent) and not event.rejected:
+            self._follow(event)
+        elif isinstance(event, WaveEvent) and event.scheduled_ids:
+            self._check_wave(event)
+            self.preempted_since_wave.clear()
+
+    def _follow(self, event: LifecycleEvent) -> None:
+        rid = event.request_id
+        if event.source is None:
+            deadline_s = self.core.scheduler.requests[rid].params.deadline_s
+            now = self.clock.now
+            self.arrivals[rid] = now
+            self.deadlines[rid] = None if deadline_s is None else now + deadline_s
+            self.admission_order[rid] = next(self._admissions)
+        elif event.dest is RequestStatus.PREEMPTED:
+            self.preempted_since_wave.append(rid)
+        elif event.dest is RequestStatus.FINISHED_ABORTED and event.reason == DEADLINE_REASON:
+            self._check_drop(event)
+        elif event.dest is RequestStatus.FINISHED_COMPLETED and self._passed(rid, self.clock.now):
+            self.reach.note("path: a late request completed")
+
+    def _check_drop(self, event: LifecycleEvent) -> None:
+        rid, source, deadline = event.request_id, event.source, self.deadlines[event.request_id]
+        if self.config.deadline_miss != "drop":
+            self.deadline_problems.append(f"{rid!r} dropped for its deadline under run_late")
+        elif source not in _WAITS:
+            self.deadline_problems.append(f"{rid!r} dropped for its deadline while {source}")
+        elif deadline is None or deadline > self.step_now:
+            self.deadline_problems.append(
+                f"{rid!r} dropped at {self.step_now}, before its deadline {deadline}"
+            )
+        self.records[rid].aborted = True
+        where = " while preempted" if source is RequestStatus.PREEMPTED else ""
+        self.reach.note(f"path: dropped at its deadline{where}")
+
+    # -- the policy and the aging bound, wave by wave ----------------------------------
+
+    def _check_wave(self, event: WaveEvent) -> None:
+        now = self.step_now
+        active = self.core.scheduler.requests
+        scheduled = [rid for rid in event.scheduled_ids if rid in active]
+        left_out = [rid for rid, s in self.states.items() if s in _WAITS and rid in active]
+        aged = [rid for rid in (*scheduled, *left_out) if self._aged(rid, now)]
+        if aged:
+            oldest = min(aged, key=self.admission_order.__getitem__)
+            if oldest in scheduled:
+                self.reach.note("path: an aged request ran first")
+            else:
+                self.deadline_problems.append(
+                    f"wave {event.wave_id} left out {oldest!r}, the oldest aged request"
+                )
+        for waiting in left_out:
+            key = active[waiting].batch_key
+            for chosen in scheduled:
+                if active[chosen].batch_key != key:
+                    continue
+                if self._outranks(waiting, chosen, now):
+                    self.deadline_problems.append(
+                        f"wave {event.wave_id} ({self.config.scheduling_policy}) ran {chosen!r} "
+                        f"(deadline {self.deadlines[chosen]}) and left out {waiting!r} "
+                        f"(deadline {self.deadlines[waiting]}) at {now}"
+                    )
+                self._note_policy_paths(waiting, chosen, now)
+
+    def _outranks(self, waiting: str, chosen: str, now: float) -> bool:
+        """Whether the policy must run ``waiting`` before ``chosen`` (same batch key)."""
+        waiting_aged, chosen_aged = self._aged(waiting, now), self._aged(chosen, now)
+        if waiting_aged or chosen_aged:
+            order = self.admission_order
+            return waiting_aged and (not chosen_aged or order[waiting] < order[chosen])
+        policy = self.config.scheduling_policy
+        if policy == "edf":
+            return self._deadline_or_inf(waiting) < self._deadline_or_inf(chosen)
+        if policy == "slo":
+            return self._surely_late(chosen, now) and self._surely_on_time(waiting, now)
+        return False
+
+    def _note_policy_paths(self, waiting: str, chosen: str, now: float) -> None:
+        if self._aged(waiting, now) or self._aged(chosen, now):
+            return
+        waiting_by, chosen_by = self._deadline_or_inf(waiting), self._deadline_or_inf(chosen)
+        policy = self.config.scheduling_policy
+        if policy == "slo" and waiting_by < chosen_by and self._surely_late(waiting, now):
+            self.reach.note("path: slo demoted a late request")
+        if policy == "edf" and chosen_by < waiting_by and waiting in self.preempted_since_wave:
+            self.reach.note("path: edf preempted for an earlier deadline")
+
+    # -- time --------------------------------------------------------------------------
+
+    def _passed(self, rid: str, now: float) -> bool:
+        deadline = self.deadlines.get(rid)
+        return deadline is not None and deadline <= now
+
+    def _next_deadline(self) -> float | None:
+        now = self.clock.now
+        ahead = [
+            deadline
+            for rid, deadline in self.deadlines.items()
+            if deadline is not None and deadline > now and self._is_active(rid)
+        ]
+        return min(ahead, default=None)
+
+    def _aged(self, rid: str, now: float) -> bool:
+        return now - self.arrivals[rid] >= self.config.scheduling_aging_s
+
+    def _deadline_or_inf(self, rid: str) -> float:
+        deadline = self.deadlines[rid]
+        return math.inf if deadline is None else deadline
+
+    def _surely_late(self, rid: str, now: float) -> bool:
+        """Past its deadline: late whatever the cost model says (at a deadline exactly
+        now, a request with no measured step cost still counts as on time)."""
+        return self._deadline_or_inf(rid) < now
+
+    def _surely_on_time(self, rid: str, now: float) -> bool:
+        """No deadline, or slack for every step at the slowest step the cost model can
+        have seen (each wave lasted at most :attr:`longest_wave_s`)."""
+        deadline = self.deadlines[rid]
+        if deadline is None:
+            return True
+        steps = self.core.scheduler.requests[rid].params.num_inference_steps
+        return deadline - now >= steps * max(self.longest_wave_s, DEFAULT_STEP_S)

@@ -1,0 +1,96 @@
+"""Broken deadlines: bugs in when a late request is dropped and where the ``slo``
+policy ranks it. Each is written the way it would slip in; the deadline
+harness (:mod:`.deadline_harness`, ``slo`` with ``deadline_miss="drop"``, step
+mode) must catch each, and ``docs/auditing.md`` says which check does.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+from diffusion_runtime.fsm import DEADLINE_REASON, LifecycleEvent, RequestStatus, Trigger
+from diffusion_runtime.scheduler.base import BaseScheduler, Ended
+from diffusion_runtime.scheduler.policies import SloAwarePolicy
+from diffusion_runtime.scheduler.request import Request
+from diffusion_runtime.testing.patching import replace_attribute as _replace
+from diffusion_runtime.testing.policy_mutations import MutationSpec, Patch
+
+
+def drop_hits_running_requests() -> Patch:
+    def make(original: Any) -> Any:
+        def expire_waiting(self: BaseScheduler, now: float) -> list[Ended]:
+            ended = []
+            deadlines = self._deadlines
+            while deadlines and deadlines[0][0] <= now:
+                request = heapq.heappop(deadlines)[2]
+                # "late is late: drop it wherever it is"
+                if not request.state.is_finished:
+                    event = self.machine.fire(request, Trigger.ABORT, reason=DEADLINE_REASON)
+                    ended.append(Ended(request, event))
+            return ended
+
+        return expire_waiting
+
+    return _replace(BaseScheduler, "expire_waiting", make)
+
+
+def drop_only_strictly_after_the_deadline() -> Patch:
+    def make(original: Any) -> Any:
+        def expire_waiting(self: BaseScheduler, now: float) -> list[Ended]:
+            ended = []
+            deadlines = self._deadlines
+            # "past its deadline": one due exactly now waits another step
+            while deadlines and deadlines[0][0] < now:
+                request = heapq.heappop(deadlines)[2]
+                if request.state in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                    event = self.machine.fire(request, Trigger.ABORT, reason=DEADLINE_REASON)
+                    ended.append(Ended(request, event))
+            return ended
+
+        return expire_waiting
+
+    return _replace(BaseScheduler, "expire_waiting", make)
+
+
+def preempted_deadline_not_rewatched() -> Patch:
+    def make(original: Any) -> Any:
+        def on_preempted(self: BaseScheduler, request: Request, event: LifecycleEvent) -> None:
+            del self.running[request.request_id]
+            self.waiting[request.request_id] = request
+            self.waiting.move_to_end(request.request_id, last=False)
+            self.num_preemptions += 1
+            # "its deadline is watched since its admission" - unless it passed while it ran
+
+        return on_preempted
+
+    return _replace(BaseScheduler, "_on_preempted", make)
+
+
+def slo_serves_late_requests_first() -> Patch:
+    def make(original: Any) -> Any:
+        def rank(self: SloAwarePolicy, request: Request, now: float) -> tuple[float, ...]:
+            priority = request.params.priority
+            if request.deadline is None:
+                return (1, 0.0, priority)
+            step_s = self.costs.fastest_seconds_per_step(request.batch_key)
+            if request.deadline - now < request.remaining_steps * step_s:
+                return (-1, request.deadline, priority)  # "already late: the most urgent"
+            return (0, request.deadline, priority)
+
+        return rank
+
+    return _replace(SloAwarePolicy, "rank", make)
+
+
+#: ``(name, bug, mode, target, patch)``, run by the deadline harness.
+DEADLINE_MUTATIONS: tuple[MutationSpec, ...] = (
+    ("deadline-drops-running", "the deadline drop also aborts running requests", "step",
+     "deadline", drop_hits_running_requests),
+    ("deadline-boundary-late", "a request due exactly at the step's time is not dropped",
+     "step", "deadline", drop_only_strictly_after_the_deadline),
+    ("preempted-deadline-forgotten", "a request preempted after its deadline passed is "
+     "never dropped", "step", "deadline", preempted_deadline_not_rewatched),
+    ("slo-late-first", "the slo policy ranks late requests ahead of on-time ones", "step",
+     "deadline", slo_serves_late_requests_first),
+)  # fmt: skip
