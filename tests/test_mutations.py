@@ -190,15 +190,22 @@ def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
         return front_harness(mode)
     if target == "preempt":
         return preempt_harness()
-    if target == "deadline":
-        return deadline_harness()
+    if target.startswith("deadline-"):
+        return deadline_harness("slo", target.removeprefix("deadline-"))
     return core_harness(mode, "mp" if target == "mp" else "uni")
 
 
 def test_catalogue_is_large_and_named_uniquely() -> None:
     assert len(CATALOGUE) >= 30
     assert len({m.name for m in CATALOGUE}) == len(CATALOGUE)
-    assert {m.target for m in CATALOGUE} == {"core", "mp", "front", "preempt", "deadline"}
+    assert {m.target for m in CATALOGUE} == {
+        "core",
+        "mp",
+        "front",
+        "preempt",
+        "deadline-drop",
+        "deadline-run_late",
+    }
     assert {m.name for m in CATALOGUE} >= FAST_SUBSET
 
 

@@ -1,7 +1,8 @@
 """Broken deadlines: bugs in when a late request is dropped and where the ``slo``
 policy ranks it. Each is written the way it would slip in; the deadline
-harness (:mod:`.deadline_harness`, ``slo`` with ``deadline_miss="drop"``, step
-mode) must catch each, and ``docs/auditing.md`` says which check does.
+harness (:mod:`.deadline_harness`, ``slo`` in step mode, with the
+``deadline_miss`` its target names) must catch each, and ``docs/auditing.md``
+says which check does.
 """
 
 from __future__ import annotations
@@ -83,14 +84,15 @@ def slo_serves_late_requests_first() -> Patch:
     return _replace(SloAwarePolicy, "rank", make)
 
 
-#: ``(name, bug, mode, target, patch)``, run by the deadline harness.
+#: ``(name, bug, mode, target, patch)``, run by the deadline harness; the target
+#: names its ``deadline_miss``: ``"deadline-drop"`` or ``"deadline-run_late"``.
 DEADLINE_MUTATIONS: tuple[MutationSpec, ...] = (
     ("deadline-drops-running", "the deadline drop also aborts running requests", "step",
-     "deadline", drop_hits_running_requests),
+     "deadline-drop", drop_hits_running_requests),
     ("deadline-boundary-late", "a request due exactly at the step's time is not dropped",
-     "step", "deadline", drop_only_strictly_after_the_deadline),
+     "step", "deadline-drop", drop_only_strictly_after_the_deadline),
     ("preempted-deadline-forgotten", "a request preempted after its deadline passed is "
-     "never dropped", "step", "deadline", preempted_deadline_not_rewatched),
+     "never dropped", "step", "deadline-drop", preempted_deadline_not_rewatched),
     ("slo-late-first", "the slo policy ranks late requests ahead of on-time ones", "step",
-     "deadline", slo_serves_late_requests_first),
+     "deadline-run_late", slo_serves_late_requests_first),
 )  # fmt: skip

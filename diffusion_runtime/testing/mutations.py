@@ -45,8 +45,9 @@ class Mutation:
     patch: Callable[[], contextlib.AbstractContextManager[None]]
     #: What the harness drives: ``"core"`` (an EngineCore, uni), ``"mp"`` (an
     #: EngineCore over the mp executor), ``"preempt"`` (an EngineCore under a
-    #: preemptive policy), ``"deadline"`` (an EngineCore on a virtual clock under
-    #: the ``slo`` policy, dropping late requests) or ``"front"`` (a DiffusionEngine).
+    #: preemptive policy), ``"deadline-drop"``/``"deadline-run_late"`` (an
+    #: EngineCore on a virtual clock under the ``slo`` policy with that
+    #: ``deadline_miss``) or ``"front"`` (a DiffusionEngine).
     target: str = "core"
 
 
