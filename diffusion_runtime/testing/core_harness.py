@@ -6,12 +6,13 @@ the same seed replays the same example, and a failure shrinks. Rules admit
 requests (alone, in bursts that mix failing prompts with good ones, and under
 ids already taken), step the core, abort between steps and during a wave, call
 worker RPCs with short timeouts, kill a worker and close. After every rule:
-the auditor (INV-001..010) found nothing and no component holds state for a
+the auditor (INV-001..011) found nothing and no component holds state for a
 finished request. At the end: every request that no fault touched completed,
 every completed output equals the pipeline's own output for that request
 (called directly, outside the engine), outputs depend on the seed, and nothing
 is left held. :class:`~diffusion_runtime.testing.reach.Reach` counts the paths reached,
-preemption among them (:mod:`.preemption_harness` adds the rules that reach it).
+preemption among them (:mod:`.preemption_harness` adds the rules that reach it;
+:mod:`.deadline_harness` runs on a virtual clock, with deadlines).
 """
 
 from __future__ import annotations
