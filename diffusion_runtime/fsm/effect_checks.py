@@ -224,6 +224,7 @@ class DeadlineDropsOnlyWaiting:
 
     invariant = "INV-011"
     rule = "a request is aborted for its deadline only while WAITING or PREEMPTED"
+    events = (LifecycleEvent,)
 
     def feed(self, event: TraceEvent) -> list[Violation]:
         if not (
