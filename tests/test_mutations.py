@@ -20,7 +20,7 @@ from diffusion_runtime.testing.core_harness import CoreLifecycleMachine, core_li
 from diffusion_runtime.testing.deadline_harness import (
     TICK_S,
     DeadlineCoreLifecycleMachine,
-    deadlines,
+    tick_deadlines,
 )
 from diffusion_runtime.testing.harness import EngineLifecycleMachine, lifecycle_machine
 from diffusion_runtime.testing.mutations import CATALOGUE, Mutation, hunt
@@ -162,7 +162,7 @@ def deadline_harness(
         prompts=st.sampled_from(["cat", "dog", 7]),
         failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
         fatal_prompts=st.just("device-fault"),
-        params=params(mode, priorities=(0, 3), deadline_s=deadlines()),
+        params=params(mode, priorities=(0, 3), deadline_s=tick_deadlines()),
         rpc_timeouts=st.sampled_from([1e-6, None, 5.0]),
         base=DeadlineCoreLifecycleMachine,
     )

@@ -48,7 +48,7 @@ TICK_S = 2.0**-8
 _WAITS = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
-def deadlines(max_ticks: int = 8) -> st.SearchStrategy[float | None]:
+def tick_deadlines(max_ticks: int = 8) -> st.SearchStrategy[float | None]:
     """``deadline_s`` draws for the harness: none, or a whole number of ticks."""
     return st.none() | st.integers(1, max_ticks).map(lambda ticks: ticks * TICK_S)
 
@@ -56,7 +56,7 @@ def deadlines(max_ticks: int = 8) -> st.SearchStrategy[float | None]:
 class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
     """The preemptive harness on a virtual clock; pass it as ``base=`` to
     :func:`~diffusion_runtime.testing.core_harness.core_lifecycle_machine`
-    with params that draw deadlines (:func:`deadlines`) and a config naming
+    with params that draw deadlines (:func:`tick_deadlines`) and a config naming
     the policy (``edf``, ``slo``), ``deadline_miss`` and ``scheduling_aging_s``
     (a few dozen ticks, so aging is reached)."""
 
@@ -81,6 +81,7 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
     @precondition(lambda self: self._alive)
     @rule(data=st.data())
     def let_time_pass(self, data: st.DataObject) -> None:
+        """A drawn number of ticks pass between steps."""
         self.clock.advance(data.draw(st.integers(1, 4), label="ticks") * TICK_S)
 
     @precondition(lambda self: self._alive and self._next_deadline() is not None)
