@@ -84,14 +84,23 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         """A drawn number of ticks pass between steps."""
         self.clock.advance(data.draw(st.integers(1, 4), label="ticks") * TICK_S)
 
-    @precondition(lambda self: self._alive and self._next_deadline() is not None)
+    @precondition(lambda self: self._alive and bool(self._deadlines_ahead()))
+    @rule(data=st.data())
+    def let_time_pass_to_a_deadline(self, data: st.DataObject) -> None:
+        """Time passes to exactly the deadline of a waiting or preempted request (a
+        drawn one, the nearest first when shrinking): with ``"drop"`` the next step
+        must drop it, at the boundary a real clock never hits."""
+        deadline = data.draw(st.sampled_from(self._deadlines_ahead()), label="deadline")
+        self.clock.advance(deadline - self.clock.now)
+
+    @precondition(lambda self: self._alive and self._next_aging() is not None)
     @rule()
-    def let_time_pass_to_a_deadline(self) -> None:
-        """Time passes to exactly the next deadline of an active request: the step
-        that follows is due to drop it (the boundary a real clock never hits)."""
-        next_deadline = self._next_deadline()
-        assert next_deadline is not None
-        self.clock.advance(next_deadline - self.clock.now)
+    def let_time_pass_to_an_aging_bound(self) -> None:
+        """Time passes to exactly the moment an active request ages: from the next
+        step on it goes before every younger request, whatever the policy says."""
+        next_aging = self._next_aging()
+        assert next_aging is not None
+        self.clock.advance(next_aging - self.clock.now)
 
     @precondition(lambda self: self._alive)
     @rule(data=st.data())
@@ -102,15 +111,16 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
     @precondition(lambda self: self._alive and any(map(self._is_active, self.records)))
     @rule(data=st.data())
     def add_urgent(self, data: st.DataObject) -> None:
-        """A step, then a full wave of requests due in one tick arrives, and a step:
-        ``edf`` preempts for them; ``slo`` demotes them once they cannot make it."""
+        """A step, then a full wave of requests due in a few ticks arrives, and a step:
+        ``edf`` preempts for them; ``slo`` too while they can make it, and demotes
+        them once they cannot."""
         self._step()
         active = [self.records[rid].params for rid in self.records if self._is_active(rid)]
         if self.dead or not active:
             return
         params = attrs.evolve(
             data.draw(self.params),
-            deadline_s=TICK_S,
+            deadline_s=data.draw(st.integers(1, 4), label="urgent ticks") * TICK_S,
             num_inference_steps=max(p.num_inference_steps for p in active),
         )
         for _ in range(self.config.max_num_seqs):
@@ -242,12 +252,21 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         deadline = self.deadlines.get(rid)
         return deadline is not None and deadline <= now
 
-    def _next_deadline(self) -> float | None:
+    def _deadlines_ahead(self) -> list[float]:
+        """The deadlines still to come of waiting and preempted requests, nearest first."""
         now = self.clock.now
-        ahead = [
+        return sorted(
             deadline
             for rid, deadline in self.deadlines.items()
-            if deadline is not None and deadline > now and self._is_active(rid)
+            if deadline is not None and deadline > now and self.states[rid] in _WAITS
+        )
+
+    def _next_aging(self) -> float | None:
+        now, aging_s = self.clock.now, self.config.scheduling_aging_s
+        ahead = [
+            arrival + aging_s
+            for rid, arrival in self.arrivals.items()
+            if arrival + aging_s > now and self._is_active(rid)
         ]
         return min(ahead, default=None)
 
