@@ -488,18 +488,22 @@ class EngineCore:
             # A wave's runner event is published only if its wave event was: a
             # subscriber that joins mid-wave never sees a result without its wave.
             self._traced_waves.add(output.wave_id)
-            requests = [self.scheduler.requests.get(rid) for rid in output.scheduled_ids]
+            new_ids = tuple(r.request_id for r in output.scheduled_new_reqs)
+            active = self.scheduler.requests
+            keys, steps = [], []
+            for rid in output.scheduled_cached_ids + new_ids:
+                request = active.get(rid)
+                keys.append(None if request is None else request.batch_key)
+                steps.append(0 if request is None else request.params.num_inference_steps)
             self.machine.publish(
                 WaveEvent(
                     output.wave_id,
-                    tuple(r.request_id for r in output.scheduled_new_reqs),
+                    new_ids,
                     output.scheduled_cached_ids,
                     output.finished_ids,
                     time.monotonic(),
-                    batch_keys=tuple(None if r is None else r.batch_key for r in requests),
-                    num_steps=tuple(
-                        0 if r is None else r.params.num_inference_steps for r in requests
-                    ),
+                    batch_keys=tuple(keys),
+                    num_steps=tuple(steps),
                     capacity=self.config.max_num_seqs,
                     mode=self.config.resolved_mode,
                 )
