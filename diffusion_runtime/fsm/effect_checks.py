@@ -18,7 +18,12 @@ from diffusion_runtime.fsm.events import (
     TraceEvent,
     WaveEvent,
 )
-from diffusion_runtime.fsm.states import DEADLINE_REASON, TERMINAL_STATES, RequestStatus
+from diffusion_runtime.fsm.states import (
+    DEADLINE_DROPPABLE,
+    DEADLINE_REASON,
+    TERMINAL_STATES,
+    RequestStatus,
+)
 from diffusion_runtime.fsm.violation import Recent, Violation
 
 
@@ -232,7 +237,7 @@ class DeadlineDropsOnlyWaiting:
             and event.reason == DEADLINE_REASON
             and event.dest is RequestStatus.FINISHED_ABORTED
             and not event.rejected
-            and event.source not in _DROPPABLE
+            and event.source not in DEADLINE_DROPPABLE
         ):
             return []
         return [
@@ -246,7 +251,3 @@ class DeadlineDropsOnlyWaiting:
 
     def finish(self, complete: bool) -> list[Violation]:
         return []
-
-
-#: The states in which a request may be dropped for its deadline.
-_DROPPABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
