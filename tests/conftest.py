@@ -5,7 +5,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from diffusion_runtime import DiffusionEngine, EngineConfig
+from diffusion_runtime.testing.leaks import child_pids  # noqa: F401  (tests import it from here)
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline
 
 settings.register_profile(
@@ -121,23 +121,6 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
-
-
-def child_pids() -> set[int]:
-    """Live child processes of this one (from /proc), except multiprocessing's resource tracker."""
-    me = str(os.getpid())
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path("/proc", entry, "stat").read_text()
-            cmdline = Path("/proc", entry, "cmdline").read_bytes()
-        except OSError:
-            continue
-        if stat.rsplit(")", 1)[1].split()[1] == me and b"resource_tracker" not in cmdline:
-            found.add(int(entry))
-    return found
 
 
 def engine_threads() -> list[threading.Thread]:

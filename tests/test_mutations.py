@@ -25,11 +25,14 @@ from diffusion_runtime.testing.deadline_harness import (
 from diffusion_runtime.testing.harness import EngineLifecycleMachine, lifecycle_machine
 from diffusion_runtime.testing.mutations import CATALOGUE, Mutation, hunt
 from diffusion_runtime.testing.preemption_harness import PreemptiveCoreLifecycleMachine
+from diffusion_runtime.testing.stage_front import StageFront
 from diffusion_runtime.testing.strategies import sampling_params
 
 MAX_EXAMPLES = 150
 #: Examples for the mp target, whose engines start worker processes (about 0.3 s each).
 MP_EXAMPLES = 40
+#: Examples for the stage target, whose examples each start a stage process (1-5 s).
+STAGE_EXAMPLES = 12
 CATCH_LIMIT_S = 60.0
 #: Examples for each passing run of the deadline harness (three run by default).
 DEADLINE_EXAMPLES = 100
@@ -193,9 +196,33 @@ def front_config(mode: str) -> EngineConfig:
     )
 
 
+def stage_harness(mode: str) -> type[EngineLifecycleMachine]:
+    return lifecycle_machine(
+        lambda: stage_config(mode),
+        prompts=st.sampled_from(["cat", "dog", 7]),
+        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
+        params=params(mode),
+        read_timeout_s=3.0,  # a hung stream fails the example instead of the suite
+        front=StageFront,
+    )
+
+
+def stage_config(mode: str) -> EngineConfig:
+    return EngineConfig(
+        pipeline="testing-faults",
+        device="cpu",
+        max_num_seqs=3,
+        execution_mode=mode,
+        warmup=False,  # a stage starts per example
+        intra_op_threads=1,
+    )
+
+
 def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
     if target == "front":
         return front_harness(mode)
+    if target == "stage":
+        return stage_harness(mode)
     if target == "preempt":
         return preempt_harness()
     if target.startswith("deadline-"):
@@ -206,6 +233,7 @@ def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
 def test_catalogue_is_large_and_named_uniquely() -> None:
     assert len(CATALOGUE) >= 30
     assert len({m.name for m in CATALOGUE}) == len(CATALOGUE)
+<<<<<<< HEAD
     assert {m.target for m in CATALOGUE} == {
         "core",
         "mp",
@@ -214,6 +242,9 @@ def test_catalogue_is_large_and_named_uniquely() -> None:
         "deadline-drop",
         "deadline-run_late",
     }
+=======
+    assert {m.target for m in CATALOGUE} == {"core", "mp", "front", "preempt", "stage"}
+>>>>>>> 302a556 (The stage as a target of the threaded lifecycle harness: pluggable fronts with declared capabilities, a stage front held between steps by a test worker extension and audited offline from its trace, leak checks per example; four stage mutations planted in the client or, through a test-only entry point, in the stage process)
     assert {m.name for m in CATALOGUE} >= FAST_SUBSET
 
 
@@ -271,7 +302,7 @@ def test_the_real_runtime_passes_on_mp() -> None:
 
 
 def catch(mutation: Mutation) -> None:
-    examples = MP_EXAMPLES if mutation.target == "mp" else MAX_EXAMPLES
+    examples = {"mp": MP_EXAMPLES, "stage": STAGE_EXAMPLES}.get(mutation.target, MAX_EXAMPLES)
     start = time.monotonic()
     caught = hunt(mutation, harness_for(mutation.target, mutation.mode), max_examples=examples)
     elapsed = time.monotonic() - start

@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import signal
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
@@ -27,7 +26,6 @@ import msgspec
 import pytest
 import torch
 import zmq
-from conftest import child_pids
 
 from diffusion_runtime import (
     DiffusionEngine,
@@ -59,6 +57,7 @@ from diffusion_runtime.stage.messages import (
     encode,
 )
 from diffusion_runtime.stage.proc import EXIT_DEAD, EXIT_START_FAILED, StageSpec, run_stage
+from diffusion_runtime.testing.leaks import Leftovers
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline
 
 S = RequestStatus
@@ -171,11 +170,6 @@ def open_descriptors() -> set[str]:
     return found
 
 
-def stage_dirs() -> set[str]:
-    """This process's socket directories (named by their owner's pid)."""
-    return {p.name for p in Path(tempfile.gettempdir()).glob(f"diffusion-stage-{os.getpid()}-*")}
-
-
 class Gate:
     """The host side of :class:`StagePipeline`'s gate."""
 
@@ -239,11 +233,10 @@ def same_outputs(a: Sequence[RequestOutput], b: Sequence[RequestOutput]) -> None
 @pytest.fixture(autouse=True)
 def nothing_left_behind() -> Iterator[None]:
     """After each test: no process, thread or socket directory it started."""
-    children, threads, dirs = child_pids(), set(threading.enumerate()), stage_dirs()
+    baseline = Leftovers.baseline()
     yield
-    assert wait_for(lambda: child_pids() <= children), child_pids() - children
-    assert wait_for(lambda: set(threading.enumerate()) <= threads)
-    assert stage_dirs() <= dirs
+    left = baseline.since()
+    assert not left, left
 
 
 # -- serving: one shared stage ---------------------------------------------------------

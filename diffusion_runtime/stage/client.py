@@ -196,6 +196,12 @@ class StageClient:
         )
 
     @property
+    def unfinished_request_ids(self) -> frozenset[str]:
+        """Requests sent to the stage whose final output has not reached this client
+        (a batch's prompts by their own ids)."""
+        return frozenset(self._live)
+
+    @property
     def batch_machine(self) -> RequestMachine[BatchRequest]:
         """The lifecycle machine of batch parents: ``batch_machine.subscribe(fn)``
         receives each parent's transitions (their prompts' are in the stage)."""

@@ -1,13 +1,17 @@
 """A stateful property test of the lifecycle, cleanup and identity invariants,
 pointed at any engine configuration: your pipeline, executor or scheduler.
 
-Hypothesis drives a real engine through add / add a duplicate id / abort /
-drop a consumer / inject a failure / pause and resume the loop (so requests pile
-up into batches) / kill a worker / close, in random order,
-with the auditor attached to every event. After every step it checks the
-auditor found nothing and that no state is left for finished requests; at the
-end, that every admitted request reached exactly one terminal state, and that
-every completed output equals the same request run alone.
+Hypothesis drives a real front (a :class:`DiffusionEngine`, or with
+``target="stage"`` a :class:`~diffusion_runtime.stage.StageClient` and its
+stage process) through add / add a duplicate id / abort / drop a consumer /
+inject a failure / pause and resume the loop (so requests pile up into
+batches) / kill a worker / close, in random order, with the auditor attached
+to every event. After every step it checks the auditor found nothing and
+that no state is left for finished requests; at the end, that every admitted
+request reached exactly one terminal state, and that every completed output
+equals the same request run alone. What a front cannot offer (see
+:class:`~diffusion_runtime.testing.fronts.FrontCapabilities`) switches the
+rules and checks that need it off.
 
 A user's test file can be two lines::
 
@@ -20,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import tempfile
-import time
 import unittest
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +45,12 @@ from hypothesis.stateful import (
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
-from diffusion_runtime.errors import DuplicateRequestError, EngineClosedError, EngineDeadError
+from diffusion_runtime.errors import (
+    DuplicateRequestError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidFieldError,
+)
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
 from diffusion_runtime.fsm.audit import Auditor
@@ -51,19 +59,25 @@ from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.testing.core_harness import core_lifecycle_machine
+from diffusion_runtime.testing.fronts import EngineFront, HarnessFront
 from diffusion_runtime.testing.reach import Reach
 from diffusion_runtime.testing.replay import replayable_test_case
+from diffusion_runtime.testing.stage_front import StageFront
 from diffusion_runtime.testing.strategies import sampling_params
 
 #: Where a failing ``lifecycle_test_case`` writes its replay file unless told otherwise.
 DEFAULT_REPLAY_DIR = Path(tempfile.gettempdir()) / "diffusion-runtime-replays"
+
+#: Builds the front under test from a config, on the harness's event loop.
+FrontFactory = Callable[[EngineConfig, asyncio.AbstractEventLoop], HarnessFront]
 
 
 class EngineLifecycleMachine(RuleBasedStateMachine):
     """The harness; configure it with :func:`lifecycle_machine` or subclass it.
 
     Override :meth:`build_engine` to keep a handle on the pipeline you pass
-    in, and add rules or invariants of your own in a subclass.
+    in, and add rules or invariants of your own in a subclass. With a
+    ``front_factory`` it drives that front instead of a :class:`DiffusionEngine`.
     """
 
     config_factory: ClassVar[Callable[[], EngineConfig]]
@@ -77,6 +91,8 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     scheduler_cls: ClassVar[type[BaseScheduler] | None] = None
     executor_cls: ClassVar[type[DiffusionExecutor] | None] = None
     reach: ClassVar[Reach] = Reach()
+    # A tuple, so the factory is not bound as a method of the machine.
+    front_factory: ClassVar[tuple[FrontFactory, ...]] = ()
 
     requests = Bundle("requests")
 
@@ -93,11 +109,21 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         self.paused = False
         #: Ids whose consumer left while they were active, with that admission's number.
         self.must_abort: dict[str, int] = {}
+        self.front = self.build_front()
+        if self.front.capabilities.live_events:
+            self.front.subscribe(self._record)
+
+    def build_front(self) -> HarnessFront:
+        """The front under test (a fresh one for every example): the ``front_factory``'s,
+        or an :class:`EngineFront` over :meth:`build_engine`."""
+        if self.front_factory:
+            return self.front_factory[0](type(self).config_factory(), self.loop)
         self.engine = self.build_engine()
-        self.engine.machine.subscribe(self._record)
+        killer = self.worker_killer[0] if self.worker_killer else None
+        return EngineFront(self.engine, self.loop, killer)
 
     def build_engine(self) -> DiffusionEngine:
-        """The engine under test (a fresh one for every example)."""
+        """The engine under test, without a ``front_factory``."""
         config = type(self).config_factory()
         executor = self.executor_cls(config) if self.executor_cls is not None else None
         return DiffusionEngine.make_engine(
@@ -116,12 +142,9 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     def add_burst(self, data: st.DataObject) -> MultipleResults[str]:
         """Several requests admitted while the loop is held, so they share waves or steps."""
         mix = data.draw(st.lists(st.tuples(self.prompts, self.params), min_size=2, max_size=4))
-        held = not self.paused
-        if held:
-            self.engine.pause()
-        ids = [self._add(prompt, params) for prompt, params in mix]
-        if held:
-            self.engine.resume()
+        ids = self.front.add_together(mix)
+        for rid, (prompt, params) in zip(ids, mix, strict=True):
+            self._admitted(rid, prompt, params)
         return multiple(*ids)
 
     @precondition(
@@ -132,6 +155,32 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         assert self.failing_prompts is not None
         return self._add(data.draw(self.failing_prompts), data.draw(self.params))
 
+    @precondition(
+        lambda self: (
+            self.front.capabilities.pause
+            and not self.paused
+            and not self.closed
+            and not self.killed
+        )
+    )
+    @rule(target=requests, data=st.data())
+    def abort_before_it_runs(self, data: st.DataObject) -> str:
+        """A request aborted while the loop is held, before it could run, ends
+        ABORTED, and its stream ends with that final output."""
+        prompt, params = data.draw(self.prompts), data.draw(self.params)
+        self.front.pause()
+        rid = self._add(prompt, params)
+        self.front.abort(rid)
+        self.front.resume()
+        self._run(self._read(rid))
+        self.unread.discard(rid)
+        final = self.outputs.get(rid)
+        assert final is not None and final.finished, f"{rid!r}: no final output after its abort"
+        assert final.status is RequestStatus.FINISHED_ABORTED, (
+            f"{rid!r}: aborted before it could run, yet ended {final.status}"
+        )
+        return rid
+
     @precondition(lambda self: not self.closed and not self.killed and not self.paused)
     @rule(rid=requests)
     def add_with_a_taken_id(self, rid: str) -> None:
@@ -141,83 +190,90 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         It runs on a quiet engine, so whether the id is free never depends on timing.
         """
         prompt, params = self.inputs[rid]
-        self._wait_until_quiet()
+        self.front.wait_until_quiet(self.read_timeout_s)
         free = rid not in self.unread
         admissions = sum(1 for e in self._events_of(rid) if e.source is None)
         try:
-            self.loop.run_until_complete(self.engine.add_request(prompt, params, request_id=rid))
+            self.loop.run_until_complete(self.front.add_request(prompt, params, request_id=rid))
         except DuplicateRequestError:
             assert not free, f"{rid!r} refused after it finished and was read"
             return
         assert free, f"{rid!r} admitted again while its output was unread"
-        # The old lifecycle (before this call's admission, which the engine's
-        # driver makes later) must have ended before the id was accepted again.
+        if self.front.capabilities.live_events:  # else INV-001 judges it from the trace
+            self._assert_ended_before_readmission(rid, admissions)
+        # A new lifecycle under an old id: its output replaces the old one's.
+        self.outputs.pop(rid, None)
+        self._run(self._read(rid))
+
+    def _assert_ended_before_readmission(self, rid: str, admissions: int) -> None:
+        """The old lifecycle (before the new admission, which the engine's driver
+        makes later) must have ended before the id was accepted again."""
         events = self._events_of(rid)
         starts = [i for i, e in enumerate(events) if e.source is None]
         end = starts[admissions] if len(starts) > admissions else len(events)
         old = events[starts[admissions - 1] : end] if admissions else []
         assert old and old[-1].dest.is_finished, f"{rid!r} admitted while active"
-        # A new lifecycle under an old id: its output replaces the old one's.
-        self.outputs.pop(rid, None)
-        self._run(self._read(rid))
 
     @rule(rid=requests)
     def abort(self, rid: str) -> None:
-        self.engine.abort(rid)
+        self.front.abort(rid)
 
-    @precondition(lambda self: not self.paused and not self.closed and not self.killed)
+    @precondition(
+        lambda self: (
+            self.front.capabilities.pause
+            and not self.paused
+            and not self.closed
+            and not self.killed
+        )
+    )
     @rule()
     def pause(self) -> None:
         """Hold the loop between ticks so requests and aborts pile up."""
-        self.engine.pause()
+        self.front.pause()
         self.paused = True
 
     @precondition(lambda self: self.paused)
     @rule()
     def resume(self) -> None:
-        self.engine.resume()
+        self.front.resume()
         self.paused = False
 
     @precondition(lambda self: self.unread and not self.closed and not self.killed)
     @rule(data=st.data())
     def drop_consumer(self, data: st.DataObject) -> None:
-        """A consumer leaves while the loop is held; if its request was active,
-        it must end ABORTED once the loop runs again."""
+        """A consumer leaves; if it left while the loop was held and its request was
+        active, the request must end ABORTED once the loop runs again.
+
+        A front whose loop cannot be held, or that cannot say at once which
+        requests are active (no snapshot or no live events), leaves the effect
+        to the auditor (INV-008).
+        """
         rid = data.draw(st.sampled_from(sorted(self.unread)))
         self.unread.discard(rid)
+        capabilities = self.front.capabilities
+        if not (capabilities.pause and capabilities.snapshot and capabilities.live_events):
+            if not self._run(self._read_then_leave(rid)):
+                self.reach.note("path: consumer dropped before its final output")
+            return
         held = not self.paused
         if held:
-            self.engine.pause()
-        self.engine.snapshot()  # runs between two steps: no wave is in flight after it
+            self.front.pause()
+        self.front.snapshot()  # runs between two steps: no wave is in flight after it
         events = self._events_of(rid)
         if events and not events[-1].dest.is_finished:
             self.must_abort[rid] = len([e for e in events if e.source is None])
             self.reach.note("path: consumer dropped while its request was active")
         self._run(self._read_then_leave(rid))
         if held:
-            self.engine.resume()
+            self.front.resume()
 
     @precondition(lambda self: self.unread and not self.closed and not self.killed)
     @rule()
     def close_with_blocked_readers(self) -> None:
         """Readers wait on their streams when close() runs: each must end."""
-        readers = {rid: self.loop.create_task(self._read(rid)) for rid in sorted(self.unread)}
-        self.unread.clear()
-        self.loop.run_until_complete(asyncio.sleep(0))  # each reader runs up to its first wait
-        if any(not task.done() for task in readers.values()):
-            self.reach.note("path: close with blocked readers")
-        self.engine.close()
         self.closed = True
-        done, pending = self.loop.run_until_complete(
-            asyncio.wait(readers.values(), timeout=self.read_timeout_s)
-        )
-        for task in pending:
-            task.cancel()
-        if pending:
-            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        assert not pending, f"streams still open after close: {sorted(readers)}"
-        for task in done:
-            task.result()
+        if self._end_with_readers_waiting(self.front.close):
+            self.reach.note("path: close with blocked readers")
 
     @precondition(lambda self: not self.paused)
     @rule()
@@ -226,18 +282,31 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
             self._run(self._read(rid))
         self.unread.clear()
 
-    @precondition(lambda self: bool(self.worker_killer) and not self.closed and not self.killed)
-    @rule()
-    def kill_worker(self) -> None:
-        for kill in self.worker_killer:
-            kill(self.engine)
+    @precondition(lambda self: self.front.capabilities.die and not self.closed and not self.killed)
+    @rule(data=st.data())
+    def kill_worker(self, data: st.DataObject) -> None:
+        """Admit requests while the loop is held, then kill a worker (or the stage)
+        with readers waiting on every unread stream: each stream must end."""
+        mix = data.draw(st.lists(st.tuples(self.prompts, self.params), min_size=1, max_size=3))
+        if self.front.capabilities.pause and not self.paused:
+            self.pause()
+        for prompt, params in mix:
+            self._add(prompt, params)
+
+        def die() -> None:
+            self.front.kill()
+            if self.paused:
+                self.resume()  # the loop runs on, and meets the death
+
         self.killed = True
+        if self._end_with_readers_waiting(die):
+            self.reach.note("path: death with blocked readers")
 
     @precondition(lambda self: not self.closed and len(self.inputs) >= 3)
     @rule()
     def close(self) -> None:
-        self.engine.close()
         self.closed = True
+        self.front.close()
 
     # -- invariants --------------------------------------------------------------------
 
@@ -245,19 +314,20 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     def the_auditor_finds_nothing(self) -> None:
         assert not self.auditor.violations, self.auditor.violations[0].describe()
 
+    @precondition(lambda self: self.front.capabilities.snapshot)
     @invariant()
     def nothing_is_left_for_finished_requests(self) -> None:
         if self.killed:
             return
         finished = self._finished_ids()
-        snapshot = self.engine.snapshot()
+        snapshot = self.front.snapshot()
         if self.closed:
             assert not snapshot.scheduler_ids and not snapshot.running_ids
             return
         assert not finished & snapshot.scheduler_ids, finished & snapshot.scheduler_ids
         assert not finished & snapshot.runner_cached_ids, finished & snapshot.runner_cached_ids
         assert not finished & snapshot.executor_held_ids, finished & snapshot.executor_held_ids
-        if self.engine.config.resolved_mode == "step":
+        if self.front.config.resolved_mode == "step":
             # Running requests have step state; so may preempted ones (they resume from it).
             preempted = {
                 e.request_id for e in self.lifecycle if e.dest is RequestStatus.PREEMPTED
@@ -273,10 +343,14 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
                 self.read_all()
                 if self.check_solo:
                     self._check_against_solo_runs()
-            self.engine.close()
+            self.front.close()
+            for event in self.front.recorded_events():  # the events no subscriber saw live
+                self._record(event)
             self._check_final_states()
+            left = self.front.left_behind()
+            assert not left, f"left behind after close: {left}"
         finally:
-            self.engine.close()
+            self.front.close()
             self.loop.close()
 
     # -- checks ------------------------------------------------------------------------
@@ -297,8 +371,9 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
                 count = self.inputs[out.request_id][1].num_outputs_per_prompt
                 assert out.image_batch is not None and out.image_batch.shape[0] == count, out
         self.auditor.finish()
-        if not self.killed:
-            assert self.auditor.complete, "the trace did not end with the engine closing"
+        assert self.auditor.complete or (self.killed and self.auditor.dead), (
+            "the trace did not end with the engine closing (or dying, after a kill)"
+        )
         assert not self.auditor.violations, self.auditor.violations[0].describe()
 
     def _check_against_solo_runs(self) -> None:
@@ -308,7 +383,7 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
                 continue
             prompt, params = self.inputs[rid]
             params = attrs.evolve(params, seed=out.seed)  # the seed the engine used
-            [solo] = self.engine.generate([prompt], params, timeout=self.read_timeout_s)
+            solo = self.front.generate_alone(prompt, params, self.read_timeout_s)
             assert solo.ok, solo.error
             assert solo.image_batch is not None and out.image_batch is not None
             assert torch.equal(out.image_batch, solo.image_batch), (
@@ -318,10 +393,35 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     # -- helpers -----------------------------------------------------------------------
 
     def _add(self, prompt: Any, params: SamplingParams) -> str:
-        rid = self.loop.run_until_complete(self.engine.add_request(prompt, params))
+        rid = self.loop.run_until_complete(self.front.add_request(prompt, params))
+        self._admitted(rid, prompt, params)
+        return rid
+
+    def _admitted(self, rid: str, prompt: Any, params: SamplingParams) -> None:
         self.inputs[rid] = (prompt, params)
         self.unread.add(rid)
-        return rid
+
+    def _end_with_readers_waiting(self, end: Callable[[], None]) -> bool:
+        """Start a reader on every unread stream, run ``end`` (close or kill) and
+        require every reader to finish; return whether any was blocked."""
+        readers = {rid: self.loop.create_task(self._read(rid)) for rid in sorted(self.unread)}
+        self.unread.clear()
+        self.loop.run_until_complete(asyncio.sleep(0))  # each reader runs up to its first wait
+        blocked = any(not task.done() for task in readers.values())
+        end()
+        if not readers:
+            return blocked
+        done, pending = self.loop.run_until_complete(
+            asyncio.wait(readers.values(), timeout=self.read_timeout_s)
+        )
+        for task in pending:
+            task.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        assert not pending, f"streams still open after close or death: {sorted(readers)}"
+        for task in done:
+            task.result()
+        return blocked
 
     def _record(self, event: TraceEvent) -> None:
         self.auditor.feed(event)
@@ -334,39 +434,37 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
             state[event.request_id] = event.dest in TERMINAL_STATES
         return {rid for rid, finished in state.items() if finished}
 
-    def _run(self, coro: Any) -> None:
-        self.loop.run_until_complete(asyncio.wait_for(coro, self.read_timeout_s))
+    def _run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, self.read_timeout_s))
 
     async def _read(self, rid: str) -> None:
         try:
-            async for out in self.engine.stream(rid):
+            async for out in self.front.stream(rid):
                 self.outputs[rid] = out
         except EngineClosedError:
             assert self.closed, "a stream ended with EngineClosedError while the engine was open"
         except EngineDeadError:
             assert self.killed, "the engine died, but no worker was killed"
 
-    def _wait_until_quiet(self) -> None:
-        """Until every admitted request has finished (the engine must not be paused)."""
-        deadline = time.monotonic() + self.read_timeout_s
-        while self.engine.snapshot().scheduler_ids or self.engine.queue_length:
-            assert time.monotonic() < deadline, "the engine did not finish its requests"
-            time.sleep(0.001)
-
     def _events_of(self, rid: str) -> list[LifecycleEvent]:
         return [e for e in list(self.lifecycle) if e.request_id == rid and not e.rejected]
 
-    async def _read_then_leave(self, rid: str) -> None:
-        reader = self.engine.stream(rid)
+    async def _read_then_leave(self, rid: str) -> bool:
+        """Read what is ready of ``rid``'s stream, then leave; return whether its
+        final output was among it."""
+        reader = self.front.stream(rid)
         step = asyncio.ensure_future(reader.__anext__())
         await asyncio.sleep(0)
+        final = False
         if step.done():
             if step.exception() is None:
                 self.outputs[rid] = step.result()
+                final = self.outputs[rid].finished
         else:
             step.cancel()
             await asyncio.gather(step, return_exceptions=True)
         await reader.aclose()
+        return final
 
 
 def lifecycle_machine(
@@ -380,6 +478,7 @@ def lifecycle_machine(
     scheduler_cls: type[BaseScheduler] | None = None,
     executor_cls: type[DiffusionExecutor] | None = None,
     read_timeout_s: float | None = None,
+    front: FrontFactory | None = None,
     base: type[EngineLifecycleMachine] = EngineLifecycleMachine,
 ) -> type[EngineLifecycleMachine]:
     """A front harness class for engines built from ``config()``.
@@ -388,8 +487,20 @@ def lifecycle_machine(
     generates requests the pipeline is known to fail on; ``worker_killer``
     kills a worker of a multi-process engine; ``scheduler_cls`` and
     ``executor_cls`` plug in your own components; ``read_timeout_s`` bounds
-    every wait for a stream.
+    every wait for a stream; ``front`` builds another front than a
+    :class:`DiffusionEngine` from the config (such as
+    :class:`~diffusion_runtime.testing.stage_front.StageFront`), which then
+    takes none of the engine's own components.
     """
+    if front is not None:
+        for field, component in (
+            ("worker_killer", worker_killer),
+            ("scheduler_cls", scheduler_cls),
+            ("executor_cls", executor_cls),
+        ):
+            if component is not None:
+                rule = "must be None with a front other than the engine (it builds its own)"
+                raise InvalidFieldError("lifecycle_machine", field, rule, component)
     attributes: dict[str, Any] = {
         "config_factory": staticmethod(config),
         "check_solo": check_solo,
@@ -397,6 +508,7 @@ def lifecycle_machine(
         "worker_killer": (worker_killer,) if worker_killer else (),
         "scheduler_cls": scheduler_cls,
         "executor_cls": executor_cls,
+        "front_factory": (front,) if front else (),
         "reach": Reach(),
     }
     for name, value in (
@@ -407,6 +519,10 @@ def lifecycle_machine(
         if value is not None:
             attributes[name] = value
     return type("ConfiguredLifecycle", (base,), attributes)
+
+
+#: The harness targets :func:`lifecycle_test_case` accepts.
+TARGETS = ("core", "front", "stage")
 
 
 def lifecycle_test_case(
@@ -424,7 +540,11 @@ def lifecycle_test_case(
     a replay file (in ``replay_dir``, by default the temporary directory's
     ``diffusion-runtime-replays``) that ``diffusion-runtime audit --replay``
     reruns. ``target="front"`` drives a :class:`DiffusionEngine` through its
-    async API and threads (options: :func:`lifecycle_machine`).
+    async API and threads (options: :func:`lifecycle_machine`);
+    ``target="stage"`` drives a :class:`~diffusion_runtime.stage.StageClient`
+    and its stage process the same way, auditing the stage's trace once it
+    has shut down (the same options, less the engine's own components;
+    ``config()`` must be spawnable, see ``docs/stage.md``).
     """
     machine: type[RuleBasedStateMachine]
     if target == "core":
@@ -435,8 +555,13 @@ def lifecycle_test_case(
     elif target == "front":
         machine = lifecycle_machine(config, **options)
         case = machine.TestCase
+    elif target == "stage":
+        machine = lifecycle_machine(config, front=StageFront, **options)
+        case = machine.TestCase
     else:
-        raise ValueError(f"target must be 'core' or 'front'; got {target!r}")
+        raise InvalidFieldError(
+            "lifecycle_test_case", "target", f"must be one of {TARGETS}", target
+        )
     if settings is not None:
         case.settings = settings  # type: ignore[attr-defined]
     return case

@@ -33,6 +33,7 @@ from diffusion_runtime.testing.deadline_mutations import DEADLINE_MUTATIONS
 from diffusion_runtime.testing.patching import replace_attribute as _replace
 from diffusion_runtime.testing.policy_mutations import POLICY_MUTATIONS
 from diffusion_runtime.testing.preemption_mutations import PREEMPTION_MUTATIONS
+from diffusion_runtime.testing.stage_mutations import STAGE_MUTATIONS
 
 
 @attrs.frozen
@@ -47,7 +48,8 @@ class Mutation:
     #: EngineCore over the mp executor), ``"preempt"`` (an EngineCore under a
     #: preemptive policy), ``"deadline-drop"``/``"deadline-run_late"`` (an
     #: EngineCore on a virtual clock under the ``slo`` policy with that
-    #: ``deadline_miss``) or ``"front"`` (a DiffusionEngine).
+    #: ``deadline_miss``), ``"front"`` (a DiffusionEngine) or ``"stage"`` (a
+    #: StageClient and its stage process).
     target: str = "core"
 
 
@@ -316,6 +318,7 @@ CATALOGUE: tuple[Mutation, ...] = _FIRST_CATALOGUE + tuple(
         *POLICY_MUTATIONS,
         *PREEMPTION_MUTATIONS,
         *DEADLINE_MUTATIONS,
+        *STAGE_MUTATIONS,
     )
 )
 

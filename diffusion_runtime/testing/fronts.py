@@ -1,0 +1,180 @@
+"""The fronts the threaded lifecycle harness drives, behind one small interface.
+
+The harness (:mod:`~diffusion_runtime.testing.harness`) talks to a
+:class:`HarnessFront`: an in-process :class:`EngineFront` (a
+:class:`~diffusion_runtime.DiffusionEngine`) or a
+:class:`~diffusion_runtime.testing.stage_front.StageFront` (a
+:class:`~diffusion_runtime.stage.StageClient` and its child process). What
+only some fronts offer is declared in :class:`FrontCapabilities`, and the
+harness switches the rules and checks that need it on or off by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.core import EngineSnapshot
+from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.fsm.events import TraceEvent
+from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.sampling_params import SamplingParams
+
+
+@attrs.frozen
+class FrontCapabilities:
+    """What a front offers beyond the common API.
+
+    ``pause``: the loop can be held between two steps, so requests and aborts
+    pile up and whether a request is still active can be known while it is
+    held. ``snapshot``: what the scheduler, runner and executor hold per
+    request can be inspected. ``live_events``: trace events reach the harness
+    as they happen (otherwise only after close, from the trace file). ``die``:
+    the harness can kill the engine (or one of its workers).
+    """
+
+    pause: bool
+    snapshot: bool
+    live_events: bool
+    die: bool
+
+
+class HarnessFront(Protocol):
+    """A front under test: the public API, made callable from the harness's thread."""
+
+    @property
+    def capabilities(self) -> FrontCapabilities: ...
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    async def add_request(
+        self, prompt: Any, params: SamplingParams, request_id: str | None = None
+    ) -> str: ...
+
+    def add_together(self, requests: Sequence[tuple[Any, SamplingParams]]) -> list[str]:
+        """Admit several requests so that they can share waves."""
+        ...
+
+    def stream(self, request_id: str) -> AsyncGenerator[RequestOutput, None]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def snapshot(self) -> EngineSnapshot: ...
+
+    def generate_alone(self, prompt: Any, params: SamplingParams, timeout: float) -> RequestOutput:
+        """Run one request with nothing else in flight and return its final output."""
+        ...
+
+    def wait_until_quiet(self, timeout: float) -> None:
+        """Until every admitted request has delivered its final output."""
+        ...
+
+    def kill(self) -> None: ...
+
+    def close(self) -> None:
+        """Stop the front and release everything it owns; idempotent."""
+        ...
+
+    def subscribe(self, subscriber: Callable[[TraceEvent], None]) -> None:
+        """Receive trace events as they happen (with ``live_events``)."""
+        ...
+
+    def recorded_events(self) -> Iterable[TraceEvent]:
+        """After :meth:`close`: the events that did not reach subscribers live."""
+        ...
+
+    def left_behind(self) -> list[str]:
+        """After :meth:`close`: what the front started and did not release."""
+        ...
+
+
+class EngineFront:
+    """A :class:`DiffusionEngine` in this process: every capability (``die`` when a
+    ``worker_killer`` is given)."""
+
+    def __init__(
+        self,
+        engine: DiffusionEngine,
+        loop: asyncio.AbstractEventLoop,
+        worker_killer: Callable[[DiffusionEngine], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._worker_killer = worker_killer
+        self._paused = False
+        self.capabilities = FrontCapabilities(
+            pause=True, snapshot=True, live_events=True, die=worker_killer is not None
+        )
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    async def add_request(
+        self, prompt: Any, params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        return await self.engine.add_request(prompt, params, request_id=request_id)
+
+    def add_together(self, requests: Sequence[tuple[Any, SamplingParams]]) -> list[str]:
+        """Admitted while the loop is held (unless the caller holds it already)."""
+        held = not self._paused
+        if held:
+            self.pause()
+        try:
+            return [self._loop.run_until_complete(self.add_request(*r)) for r in requests]
+        finally:
+            if held:
+                self.resume()
+
+    def stream(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
+        return self.engine.stream(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def pause(self) -> None:
+        self.engine.pause()
+        self._paused = True
+
+    def resume(self) -> None:
+        self.engine.resume()
+        self._paused = False
+
+    def snapshot(self) -> EngineSnapshot:
+        return self.engine.snapshot()
+
+    def generate_alone(self, prompt: Any, params: SamplingParams, timeout: float) -> RequestOutput:
+        [output] = self.engine.generate([prompt], params, timeout=timeout)
+        return output
+
+    def wait_until_quiet(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.engine.snapshot().scheduler_ids or self.engine.queue_length:
+            assert time.monotonic() < deadline, "the engine did not finish its requests"
+            time.sleep(0.001)
+
+    def kill(self) -> None:
+        assert self._worker_killer is not None, "no worker_killer was given"
+        self._worker_killer(self.engine)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def subscribe(self, subscriber: Callable[[TraceEvent], None]) -> None:
+        self.engine.machine.subscribe(subscriber)
+
+    def recorded_events(self) -> Iterable[TraceEvent]:
+        return ()
+
+    def left_behind(self) -> list[str]:
+        return []  # the engine's own tests and fixtures check its threads and workers
