@@ -104,6 +104,10 @@ REQUIRED_REACH = {
         "path: close with blocked readers": 5,
         "path: consumer dropped while its request was active": 5,
     },
+    "stage": {
+        "path: close with blocked readers": 1,
+        "path: death with blocked readers": 1,
+    },
 }
 
 
@@ -299,6 +303,15 @@ def test_the_real_runtime_passes_on_mp() -> None:
     assert hunt(None, machine, max_examples=MP_EXAMPLES) is None
     print(machine.reach.table())
     assert not machine.reach.missing(REQUIRED_REACH["mp"]), machine.reach.table()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_real_runtime_passes_on_the_stage(mode: str) -> None:
+    machine = stage_harness(mode)
+    assert hunt(None, machine, max_examples=STAGE_EXAMPLES) is None
+    print(machine.reach.table())
+    assert not machine.reach.missing(REQUIRED_REACH["stage"]), machine.reach.table()
 
 
 def catch(mutation: Mutation) -> None:

@@ -65,8 +65,8 @@ class StageFront:
         #: Admissions sent while the stage is held: answered once it is released.
         self._pending: list[asyncio.Task[str]] = []
         self._held_ids = (f"held-{n}" for n in itertools.count())
-        self.client = StageClient(self._config)
         try:
+            self.client = StageClient(self._config)
             loop.run_until_complete(self.client.start())
         except BaseException:
             shutil.rmtree(self._trace_dir, ignore_errors=True)
@@ -88,8 +88,9 @@ class StageFront:
         admission = asyncio.ensure_future(self.client.add_request(prompt, params, request_id))
         self._pending.append(admission)
         await asyncio.sleep(0)  # the admission is sent, and its stream exists
-        if admission.done():
-            admission.result()  # refused before it was sent: raise why
+        if admission.done():  # refused before it was sent: raise why, here only
+            self._pending.remove(admission)
+            admission.result()
         return request_id
 
     def add_together(self, requests: Sequence[tuple[Any, SamplingParams]]) -> list[str]:
