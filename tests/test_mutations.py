@@ -32,7 +32,7 @@ MAX_EXAMPLES = 150
 #: Examples for the mp target, whose engines start worker processes (about 0.3 s each).
 MP_EXAMPLES = 40
 #: Examples for the stage target, whose examples each start a stage process (1-5 s).
-STAGE_EXAMPLES = 12
+STAGE_EXAMPLES = 20
 CATCH_LIMIT_S = 60.0
 #: Examples for each passing run of the deadline harness (three run by default).
 DEADLINE_EXAMPLES = 100
@@ -57,6 +57,7 @@ FAST_SUBSET = {
     "preempted-end-leaks-state",
     "deadline-drops-running",
     "preempted-deadline-forgotten",
+    "stage-exit-skips-core-shutdown",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -102,7 +103,8 @@ REQUIRED_REACH = {
     },
     "front": {
         "path: close with blocked readers": 5,
-        "path: consumer dropped while its request was active": 5,
+        # 5 in request mode and 61 in step mode with the stage rules added (11 and 9 before).
+        "path: consumer dropped while its request was active": 3,
     },
     "stage": {
         "path: close with blocked readers": 1,
@@ -237,7 +239,6 @@ def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
 def test_catalogue_is_large_and_named_uniquely() -> None:
     assert len(CATALOGUE) >= 30
     assert len({m.name for m in CATALOGUE}) == len(CATALOGUE)
-<<<<<<< HEAD
     assert {m.target for m in CATALOGUE} == {
         "core",
         "mp",
@@ -245,10 +246,8 @@ def test_catalogue_is_large_and_named_uniquely() -> None:
         "preempt",
         "deadline-drop",
         "deadline-run_late",
+        "stage",
     }
-=======
-    assert {m.target for m in CATALOGUE} == {"core", "mp", "front", "preempt", "stage"}
->>>>>>> 302a556 (The stage as a target of the threaded lifecycle harness: pluggable fronts with declared capabilities, a stage front held between steps by a test worker extension and audited offline from its trace, leak checks per example; four stage mutations planted in the client or, through a test-only entry point, in the stage process)
     assert {m.name for m in CATALOGUE} >= FAST_SUBSET
 
 
