@@ -1,9 +1,15 @@
 """Test tools for the runtime and for users' own components.
 
 - :mod:`~diffusion_runtime.testing.harness`: the lifecycle property test
-  (:func:`lifecycle_test_case`, :func:`lifecycle_machine`);
+  (:func:`lifecycle_test_case`, :func:`lifecycle_machine`), over the fronts of
+  :mod:`~diffusion_runtime.testing.fronts` (an engine) and
+  :mod:`~diffusion_runtime.testing.stage_front` (a stage, held between steps
+  by :mod:`~diffusion_runtime.testing.stage_hold`);
+- :mod:`~diffusion_runtime.testing.leaks`: what a test left behind (processes,
+  threads, stage socket directories);
 - :mod:`~diffusion_runtime.testing.strategies`: hypothesis strategies;
-- :mod:`~diffusion_runtime.testing.mutations`: broken runtimes the harness must catch;
+- :mod:`~diffusion_runtime.testing.mutations`: broken runtimes the harness must catch
+  (the stage's in :mod:`~diffusion_runtime.testing.stage_mutations`);
 - :mod:`~diffusion_runtime.testing.pipelines`: small deterministic pipelines
   with fault injection (no hypothesis needed);
 - :mod:`~diffusion_runtime.testing.replay`: failing examples as replay files
