@@ -36,12 +36,16 @@ class FrontCapabilities:
     request can be inspected. ``live_events``: trace events reach the harness
     as they happen (otherwise only after close, from the trace file). ``die``:
     the harness can kill the engine (or one of its workers).
+    ``held_messages_together``: everything sent while the loop is held is
+    applied before its next step (a stage reads what has arrived when it is
+    released; a message still in flight waits for the step after).
     """
 
     pause: bool
     snapshot: bool
     live_events: bool
     die: bool
+    held_messages_together: bool
 
 
 class HarnessFront(Protocol):
@@ -113,7 +117,11 @@ class EngineFront:
         self._worker_killer = worker_killer
         self._paused = False
         self.capabilities = FrontCapabilities(
-            pause=True, snapshot=True, live_events=True, die=worker_killer is not None
+            pause=True,
+            snapshot=True,
+            live_events=True,
+            die=worker_killer is not None,
+            held_messages_together=True,
         )
 
     @property

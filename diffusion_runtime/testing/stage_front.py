@@ -48,7 +48,9 @@ class StageFront:
     """A :class:`StageClient` driven from the harness's thread: it can be held
     between steps and killed (SIGTERM to the stage process), not inspected."""
 
-    capabilities = FrontCapabilities(pause=True, snapshot=False, live_events=False, die=True)
+    capabilities = FrontCapabilities(
+        pause=True, snapshot=False, live_events=False, die=True, held_messages_together=False
+    )
 
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
