@@ -105,8 +105,7 @@ REQUIRED_REACH = {
     },
     "front": {
         "path: close with blocked readers": 5,
-        # 5 to 9 in request mode, 61 to 83 in step mode since the stage rules came in.
-        "path: consumer dropped while its request was active": 3,
+        "path: consumer dropped while its request was active": 5,
     },
     "stage": {
         "path: close with blocked readers": 2,

@@ -165,16 +165,26 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     )
     @rule(target=requests, data=st.data())
     def abort_before_it_runs(self, data: st.DataObject) -> str:
-        """A request aborted while the loop is held, before it could run, ends
-        ABORTED, and its stream ends with that final output.
+        """A request aborted while the loop is held, before it could run (by the
+        caller, or by its consumer leaving), ends ABORTED; a caller's abort ends
+        its stream with that final output.
 
         Where messages sent while held may arrive after the release
         (``held_messages_together`` off), the abort may come after a step, so
         only the final output is required; INV-008 judges the abort's effect.
         """
         prompt, params = data.draw(self.prompts), data.draw(self.params)
+        by_consumer = data.draw(st.booleans())
         self.front.pause()
         rid = self._add(prompt, params)
+        if by_consumer:
+            self.unread.discard(rid)
+            self._run(self._read_then_leave(rid))
+            if self.front.capabilities.held_messages_together:
+                self.must_abort[rid] = 1  # its first admission, made at the release
+            self.reach.note("path: consumer dropped while its request was active")
+            self.front.resume()
+            return rid
         self.front.abort(rid)
         self.front.resume()
         self._run(self._read(rid))
