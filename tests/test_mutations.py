@@ -107,9 +107,10 @@ REQUIRED_REACH = {
         "path: close with blocked readers": 5,
         "path: consumer dropped while its request was active": 5,
     },
-    "stage": {
-        "path: close with blocked readers": 2,
-        "path: death with blocked readers": 2,
+    "stage": {  # 40 examples a mode: far fewer than the others, so counts move more
+        "path: consumer dropped while its request was active": 5,
+        "path: death with blocked readers": 5,
+        "path: close with blocked readers": 1,
     },
 }
 

@@ -11,10 +11,9 @@ place of ``run_stage`` while the mutation is open), never a production path.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
-from diffusion_runtime.errors import DuplicateRequestError
 from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.stage.client import StageClient
@@ -39,19 +38,6 @@ def end_leaves_streams_open() -> Patch:
         return fail_pending
 
     return _replace(StageClient, "_fail_pending", make)
-
-
-def duplicate_check_forgets_unread_ids() -> Patch:
-    def make(original: Any) -> Any:
-        def check_free(self: StageClient, request_ids: Iterable[str]) -> None:
-            for request_id in request_ids:
-                # "an id is in use while its request runs in the stage"
-                if request_id in self._live or request_id in self._admissions:
-                    raise DuplicateRequestError(f"request id {request_id!r} is in use")
-
-        return check_free
-
-    return _replace(StageClient, "_check_free", make)
 
 
 # -- the stage process (planted in the child) ----------------------------------------------
@@ -110,8 +96,6 @@ def in_the_stage_process(name: str) -> Callable[[], Patch]:
 STAGE_MUTATIONS: tuple[MutationSpec, ...] = (
     ("stage-end-leaves-streams-open", "the client leaves streams open when the stage shuts "
      "down or dies", "step", "stage", end_leaves_streams_open),
-    ("stage-duplicate-forgets-unread", "the client's duplicate check frees ids whose output "
-     "is unread", "request", "stage", duplicate_check_forgets_unread_ids),
     ("stage-aborted-output-not-sent", "the stage does not send an aborted request's final "
      "output", "request", "stage", in_the_stage_process("stage-aborted-output-not-sent")),
     ("stage-exit-skips-core-shutdown", "the stage exits without shutting its core down",
