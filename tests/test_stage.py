@@ -26,6 +26,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+from conftest import wait_for
 
 from diffusion_runtime import (
     DiffusionEngine,
@@ -143,15 +144,6 @@ def exits_while_building(device: Any) -> Any:
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:

@@ -23,13 +23,13 @@ import msgspec
 import pytest
 import torch
 import zmq
+from conftest import wait_for
 from test_stage import (  # nothing_left_behind: the stage tests' autouse leak check, here too
     Gate,
     Probe,
     nothing_left_behind,  # noqa: F401
     stage_config,
     until,
-    wait_for,
 )
 from zmq.utils import garbage
 from zmq.utils.monitor import recv_monitor_message

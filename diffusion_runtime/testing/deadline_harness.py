@@ -114,18 +114,14 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         """A step, then a full wave of requests due in a few ticks arrives, and a step:
         ``edf`` preempts for them; ``slo`` too while they can make it, and demotes
         them once they cannot."""
-        self._step()
-        active = [self.records[rid].params for rid in self.records if self._is_active(rid)]
-        if self.dead or not active:
-            return
-        params = attrs.evolve(
-            data.draw(self.params),
-            deadline_s=data.draw(st.integers(1, 4), label="urgent ticks") * TICK_S,
-            num_inference_steps=max(p.num_inference_steps for p in active),
+        self._add_a_wave_between_steps(
+            data,
+            lambda drawn, active: attrs.evolve(
+                drawn,
+                deadline_s=data.draw(st.integers(1, 4), label="urgent ticks") * TICK_S,
+                num_inference_steps=max(p.num_inference_steps for p in active),
+            ),
         )
-        for _ in range(self.config.max_num_seqs):
-            self._add(data, data.draw(self.prompts), params, failing=False)
-        self._step()
 
     # -- invariants --------------------------------------------------------------------
 

@@ -102,6 +102,24 @@ class HarnessFront(Protocol):
         ...
 
 
+def admit_while_held(
+    front: HarnessFront,
+    loop: asyncio.AbstractEventLoop,
+    requests: Sequence[tuple[Any, SamplingParams]],
+    *,
+    already_held: bool,
+) -> list[str]:
+    """Admit ``requests`` through ``front`` on ``loop`` with its loop held between two
+    steps: held here and released after, unless the caller holds it already."""
+    if not already_held:
+        front.pause()
+    try:
+        return [loop.run_until_complete(front.add_request(*r)) for r in requests]
+    finally:
+        if not already_held:
+            front.resume()
+
+
 class EngineFront:
     """A :class:`DiffusionEngine` in this process: every capability (``die`` when a
     ``worker_killer`` is given)."""
@@ -135,14 +153,7 @@ class EngineFront:
 
     def add_together(self, requests: Sequence[tuple[Any, SamplingParams]]) -> list[str]:
         """Admitted while the loop is held (unless the caller holds it already)."""
-        held = not self._paused
-        if held:
-            self.pause()
-        try:
-            return [self._loop.run_until_complete(self.add_request(*r)) for r in requests]
-        finally:
-            if held:
-                self.resume()
+        return admit_while_held(self, self._loop, requests, already_held=self._paused)
 
     def stream(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         return self.engine.stream(request_id)

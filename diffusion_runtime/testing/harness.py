@@ -155,14 +155,7 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         assert self.failing_prompts is not None
         return self._add(data.draw(self.failing_prompts), data.draw(self.params))
 
-    @precondition(
-        lambda self: (
-            self.front.capabilities.pause
-            and not self.paused
-            and not self.closed
-            and not self.killed
-        )
-    )
+    @precondition(lambda self: self._can_hold())
     @rule(target=requests, data=st.data())
     def abort_before_it_runs(self, data: st.DataObject) -> str:
         """A request aborted while the loop is held, before it could run (by the
@@ -236,14 +229,7 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     def abort(self, rid: str) -> None:
         self.front.abort(rid)
 
-    @precondition(
-        lambda self: (
-            self.front.capabilities.pause
-            and not self.paused
-            and not self.closed
-            and not self.killed
-        )
-    )
+    @precondition(lambda self: self._can_hold())
     @rule()
     def pause(self) -> None:
         """Hold the loop between ticks so requests and aborts pile up."""
@@ -352,6 +338,11 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
             } - finished
             assert snapshot.running_ids <= snapshot.runner_cached_ids, snapshot
             assert snapshot.runner_cached_ids <= snapshot.running_ids | preempted, snapshot
+
+    def _can_hold(self) -> bool:
+        """Whether a rule may hold the loop now: the front can, and it is not held or over."""
+        over = self.closed or self.killed
+        return self.front.capabilities.pause and not self.paused and not over
 
     def teardown(self) -> None:
         try:

@@ -11,12 +11,14 @@ preempted (abort, close, death) must leave nothing held.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import hypothesis.strategies as st
 from hypothesis.stateful import precondition, rule
 
 from diffusion_runtime.fsm import RequestStatus
-from diffusion_runtime.sampling_params import MAX_PRIORITY
+from diffusion_runtime.sampling_params import MAX_PRIORITY, SamplingParams
 from diffusion_runtime.testing.core_harness import CoreLifecycleMachine
 
 
@@ -32,15 +34,27 @@ class PreemptiveCoreLifecycleMachine(CoreLifecycleMachine):
         active one arrives, and a step lets them preempt every running request.
         They take as many steps as the longest active one, so the preempted ones
         stay preempted for a while."""
+        self._add_a_wave_between_steps(
+            data,
+            lambda drawn, active: attrs.evolve(
+                drawn,
+                priority=max(min(p.priority for p in active) - 1, -MAX_PRIORITY),
+                num_inference_steps=max(p.num_inference_steps for p in active),
+            ),
+        )
+
+    def _add_a_wave_between_steps(
+        self,
+        data: st.DataObject,
+        params_for: Callable[[SamplingParams, list[SamplingParams]], SamplingParams],
+    ) -> None:
+        """A step, then ``max_num_seqs`` requests with ``params_for(drawn params, the
+        active requests' params)``, then a step (nothing is added once all have ended)."""
         self._step()
         active = [self.records[rid].params for rid in self.records if self._is_active(rid)]
         if self.dead or not active:
             return
-        params = attrs.evolve(
-            data.draw(self.params),
-            priority=max(min(p.priority for p in active) - 1, -MAX_PRIORITY),
-            num_inference_steps=max(p.num_inference_steps for p in active),
-        )
+        params = params_for(data.draw(self.params), active)
         for _ in range(self.config.max_num_seqs):
             self._add(data, data.draw(self.prompts), params, failing=False)
         self._step()

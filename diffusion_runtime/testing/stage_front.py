@@ -34,7 +34,7 @@ from diffusion_runtime.fsm.trace import read_trace
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.stage import StageClient
-from diffusion_runtime.testing.fronts import FrontCapabilities
+from diffusion_runtime.testing.fronts import FrontCapabilities, admit_while_held
 from diffusion_runtime.testing.leaks import Leftovers
 from diffusion_runtime.testing.stage_hold import StageHold, StageHolder
 
@@ -98,14 +98,7 @@ class StageFront:
     def add_together(self, requests: Sequence[tuple[Any, SamplingParams]]) -> list[str]:
         """Sent while the stage is held (unless the caller holds it already), so the
         stage reads them between the same two steps."""
-        held = not self._holder.held
-        if held:
-            self.pause()
-        try:
-            return [self._loop.run_until_complete(self.add_request(*r)) for r in requests]
-        finally:
-            if held:
-                self.resume()
+        return admit_while_held(self, self._loop, requests, already_held=self._holder.held)
 
     def stream(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         return self.client.stream(request_id)
