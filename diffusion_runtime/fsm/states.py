@@ -38,5 +38,3 @@ TERMINAL_STATES: frozenset[RequestStatus] = frozenset(
 #: The reason of a request aborted because its deadline passed while it waited
 #: (``EngineConfig(deadline_miss="drop")``).
 DEADLINE_REASON = "deadline"
-#: The states in which a request may be dropped for its deadline (``deadline_miss="drop"``).
-DEADLINE_DROPPABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)

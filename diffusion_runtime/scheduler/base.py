@@ -21,11 +21,13 @@ from diffusion_runtime.fsm import (
     RequestStatus,
     Trigger,
 )
-from diffusion_runtime.fsm.states import DEADLINE_DROPPABLE
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.policies import SchedulingPolicy, resolve_policy_class
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.step_cost import StepCostModel
+
+#: The states in which a request whose deadline passes is dropped (``deadline_miss="drop"``).
+_DROPPABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class Ended(NamedTuple):
@@ -150,7 +152,7 @@ class BaseScheduler(abc.ABC):
         while deadlines and deadlines[0][0] <= now:
             request = heapq.heappop(deadlines)[2]
             # A running request leaves the heap; it comes back if it is preempted.
-            if request.state in DEADLINE_DROPPABLE:
+            if request.state in _DROPPABLE:
                 event = self.machine.fire(request, Trigger.ABORT, reason=DEADLINE_REASON)
                 ended.append(Ended(request, event))
         return ended
@@ -370,7 +372,7 @@ class BaseScheduler(abc.ABC):
         if len(deadlines) > 2 * len(self.waiting) + 64:
             # Entries of requests that ran or ended wait for their deadline to pass:
             # shed them now and then, so the heap stays the size of the queue.
-            deadlines[:] = [entry for entry in deadlines if entry[2].state in DEADLINE_DROPPABLE]
+            deadlines[:] = [entry for entry in deadlines if entry[2].state in _DROPPABLE]
             heapq.heapify(deadlines)
         heapq.heappush(deadlines, (request.deadline, request.order, request))
 

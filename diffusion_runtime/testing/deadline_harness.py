@@ -44,7 +44,8 @@ from diffusion_runtime.testing.virtual_clock import VirtualClock
 
 #: The harness's unit of virtual time: a binary fraction, so sums of ticks are exact.
 TICK_S = 2.0**-8
-#: The states a request waits in; only these may be dropped for a deadline.
+#: The states a request waits in; only these may be dropped for a deadline (stated
+#: here, independently of the scheduler and the auditor it checks).
 _WAITS = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
