@@ -172,7 +172,8 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         rid = self._add(prompt, params)
         if by_consumer:
             self.unread.discard(rid)
-            self._run(self._read_then_leave(rid))
+            ran = self._run(self._read_then_leave(rid))
+            assert not ran, f"{rid!r}: its final output came while the loop was held"
             if self.front.capabilities.held_messages_together:
                 self.must_abort[rid] = 1  # its first admission, made at the release
             self.reach.note("path: consumer dropped while its request was active")
@@ -370,7 +371,8 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
             if len(ends) >= admission and not self.killed:
                 end = ends[admission - 1]
                 assert end.dest is RequestStatus.FINISHED_ABORTED, (
-                    f"{rid!r}: its consumer left while it was active, yet it ended {end.dest}"
+                    f"{rid!r}: its consumer left while it was active, yet it ended {end.dest} "
+                    f"(its transitions: {[e.trigger for e in self._events_of(rid)]})"
                 )
         terminal = [e.request_id for e in self.lifecycle if e.dest in TERMINAL_STATES]
         admitted = [e.request_id for e in self.lifecycle if e.source is None]
