@@ -333,7 +333,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_batch_max_wait_ms=args.batch_wait_ms,
     )
     server_config = ServerConfig(model_name=args.model_name, per_client_limit=args.per_client_limit)
-    serve(engine_config, server_config, host=args.host, port=args.port)
+    serve(engine_config, server_config, host=args.host, port=args.port, access_log=args.access_log)
     return 0
 
 
@@ -416,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--batch-wait-ms", type=float, default=0.0, help="wait this long for a fuller wave"
     )
+    serve.add_argument("--access-log", action="store_true", help="log a line per request")
     _engine_options(serve)
     serve.set_defaults(func=cmd_serve)
     return parser

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -26,6 +27,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, InvalidFieldError, SamplingParams
+from diffusion_runtime.bench.lean_http import LeanConnection
 from diffusion_runtime.pipelines.digits import DigitClassifier
 from diffusion_runtime.serving import EngineMetrics, ServerConfig, ServerThread, build_app
 from diffusion_runtime.serving.images import ImageStore
@@ -202,6 +204,30 @@ def test_a_bad_field_gets_a_400_naming_it(
     assert error["param"] == param
     assert words in error["message"]
     assert "Traceback" not in answer.text
+
+
+def test_the_benchmarks_lean_client_reads_what_httpx_reads(digits: Served) -> None:
+    """``bench http``'s load generator: same status and body as httpx, on one
+    keep-alive connection for several answers, errors included."""
+    body = {"prompt": "6", "seed": 5, "num_inference_steps": FEW_STEPS}
+    expected = digits.http.post(GENERATIONS, json=body).json()
+
+    async def over_one_connection() -> list[tuple[int, bytes]]:
+        connection = await LeanConnection.open(digits.server.url)
+        try:
+            return [
+                await connection.post_json(GENERATIONS, json.dumps(request).encode())
+                for request in (body, {"prompt": "x"}, body)
+            ]
+        finally:
+            await connection.close()
+
+    (first, first_body), (refused, refusal), (again, again_body) = asyncio.run(
+        over_one_connection()
+    )
+    assert (first, refused, again) == (200, 400, 200)
+    assert json.loads(first_body)["data"] == json.loads(again_body)["data"] == expected["data"]
+    assert json.loads(refusal)["error"]["param"] == "prompt"
 
 
 def test_a_body_that_is_not_json_gets_a_400(digits: Served) -> None:

@@ -3,11 +3,14 @@
 Each of ``clients`` clients sends ``requests_per_client`` requests one after
 another (a closed loop), so up to ``clients`` requests are in flight. In
 process, a client is an asyncio task calling ``add_request`` and reading
-``stream``; over HTTP, it is an ``httpx`` client posting to a
+``stream``; over HTTP, it is a keep-alive connection posting to a
 ``diffusion-runtime serve`` process (started here, on a free port) and
-reading the JSON answer with the PNG inside. Both sides use the same engine
-settings, and the rounds alternate (in process, HTTP, in process, HTTP) so
-load on the machine hits both alike. Latency is per request, send to answer.
+reading the JSON answer with the PNG inside. The HTTP client is the lean one
+of :mod:`~diffusion_runtime.bench.lean_http`, so that on a small machine the
+load generator takes as little CPU as it can from the server it measures.
+Both sides use the same engine settings, and the rounds alternate (in
+process, HTTP, in process, HTTP) so load on the machine hits both alike.
+Latency is per request, send to answer.
 
 It runs once with a single client (the per-request cost of HTTP alone) and
 once with ``clients``. The HTTP side also reports what the server saw: the
@@ -32,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import msgspec
 
+from diffusion_runtime.bench.lean_http import LeanConnection
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.sampling_params import SamplingParams
@@ -90,15 +95,16 @@ def _wait_for_url(process: subprocess.Popen[str], log: Any, timeout_s: float) ->
 
 
 async def _closed_loop(
-    clients: int, requests_per_client: int, call: Callable[[int], Awaitable[None]]
+    clients: int, requests_per_client: int, call: Callable[[int, int], Awaitable[None]]
 ) -> tuple[float, list[float]]:
-    """Wall seconds and per-request latencies of ``clients`` looping over ``call``."""
+    """Wall seconds and per-request latencies of ``clients`` looping over
+    ``call(client, request_number)``."""
     latencies: list[float] = []
 
     async def client(index: int) -> None:
         for i in range(requests_per_client):
             start = time.perf_counter()
-            await call(index * requests_per_client + i)
+            await call(index, index * requests_per_client + i)
             latencies.append(time.perf_counter() - start)
 
     start = time.perf_counter()
@@ -109,7 +115,7 @@ async def _closed_loop(
 def _in_process(
     engine: DiffusionEngine, params: SamplingParams, clients: int, per_client: int
 ) -> tuple[float, list[float]]:
-    async def call(index: int) -> None:
+    async def call(client: int, index: int) -> None:
         request_id = await engine.add_request(str(index % 10), params)
         async for output in engine.stream(request_id):
             if output.finished and not output.ok:
@@ -123,21 +129,24 @@ def _in_process(
 
 
 def _over_http(url: str, steps: int, clients: int, per_client: int) -> tuple[float, list[float]]:
-    import httpx
-
     async def load() -> tuple[float, list[float]]:
-        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300) as http:
+        connections = [await LeanConnection.open(url) for _ in range(clients)]
+        try:
 
-            async def call(index: int) -> None:
-                body = {"prompt": str(index % 10), "num_inference_steps": steps}
-                answer = await http.post("/v1/images/generations", json=body)
-                answer.raise_for_status()
-                if not answer.json()["data"][0]["b64_json"]:
+            async def call(client: int, index: int) -> None:
+                request = {"prompt": str(index % 10), "num_inference_steps": steps}
+                body = msgspec.json.encode(request)
+                status, answer = await connections[client].post_json("/v1/images/generations", body)
+                if status != 200:
+                    raise RuntimeError(f"HTTP {status}: {answer[:200]!r}")
+                if not msgspec.json.decode(answer)["data"][0]["b64_json"]:
                     raise RuntimeError("an answer without an image")
 
-            await _closed_loop(clients, 1, call)  # warm-up (and connections opened)
+            await _closed_loop(clients, 1, call)  # warm-up
             return await _closed_loop(clients, per_client, call)
+        finally:
+            for connection in connections:
+                await connection.close()
 
     return asyncio.run(load())
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
 from typing import TypeVar
 
-import anyio
 from starlette.types import Receive
 
 T = TypeVar("T")
@@ -21,25 +20,18 @@ async def wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-async def unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]) -> T:
-    """Await ``work()``; if the client disconnects first, cancel it and raise
-    :class:`ClientDisconnected`."""
-    finished: list[T] = []
-    failed: list[Exception] = []
-    async with anyio.create_task_group() as group:
+async def unless_disconnected(receive: Receive, result: asyncio.Future[T]) -> T:
+    """``result``'s value; :class:`ClientDisconnected` if the client disconnects first.
 
-        async def watch() -> None:
-            await wait_for_disconnect(receive)
-            group.cancel_scope.cancel()
-
-        group.start_soon(watch)
-        try:  # raised here, not from the group, so it is not wrapped in an ExceptionGroup
-            finished.append(await work())
-        except Exception as exc:
-            failed.append(exc)
-        group.cancel_scope.cancel()
-    if failed:
-        raise failed[0]
-    if not finished:
-        raise ClientDisconnected
-    return finished[0]
+    One watcher task per exchange and nothing else: this runs for every
+    request, on the event loop that also serves every other client.
+    """
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((watcher, result), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if result.done():
+        return result.result()
+    watcher.result()  # its own error, if receiving failed
+    raise ClientDisconnected

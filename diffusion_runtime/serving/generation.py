@@ -66,7 +66,7 @@ class ImageGeneration:
                 "response_format", "response_format: a stream sends its images inline (b64_json)"
             )
         client = body.user or (request.client.host if request.client else "unknown")
-        outputs = await self._admit(body.prompt, params, client)
+        outputs = await self._admit(body.prompt, params, client, bool(body.stream))
         if body.stream:
             return EventStreamResponse(
                 self._events(outputs, params), on_close=lambda: self._end(outputs, client)
@@ -81,14 +81,16 @@ class ImageGeneration:
             self._end(outputs, client)
         return await self._answer(final, params, body.response_format or "b64_json", request)
 
-    async def _admit(self, prompt: str, params: SamplingParams, client: str) -> RequestOutputs:
+    async def _admit(
+        self, prompt: str, params: SamplingParams, client: str, streaming: bool
+    ) -> RequestOutputs:
         try:
             self.limiter.acquire(client)
         except APIError:
             self.http_metrics.refused.labels("client_limit").inc()
             raise
         try:
-            return await RequestOutputs.admit(self.engine, prompt, params, self.readers)
+            return await RequestOutputs.admit(self.engine, prompt, params, self.readers, streaming)
         except DiffusionRuntimeError as exc:
             self.limiter.release(client)
             if isinstance(exc, QueueFullError):

@@ -17,15 +17,24 @@ class RequestOutputs:
     output whatever happens to the HTTP exchange, so the stream is always
     claimed and freed. :meth:`abandon` aborts the request when nobody wants
     its result any more; the reader then receives the aborted final output.
+    A streaming consumer reads every output with :meth:`next`; any other
+    awaits :attr:`final` alone (intermediate outputs are not kept for it).
     """
 
-    def __init__(self, engine: DiffusionEngine, request_id: str, owner: OutputReaders) -> None:
+    def __init__(
+        self, engine: DiffusionEngine, request_id: str, owner: OutputReaders, streaming: bool
+    ) -> None:
         self.request_id = request_id
-        self.finished = False
+        self._read_final = False
+        loop = asyncio.get_running_loop()
+        #: The final output (or the engine's end as its error), for a non-streaming consumer.
+        self.final: asyncio.Future[RequestOutput] = loop.create_future()
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestOutput | BaseException] | None = (
+            asyncio.Queue() if streaming else None
+        )
         self._owner = owner
-        self.reader = asyncio.get_running_loop().create_task(self._read())
+        self.reader = loop.create_task(self._read())
         owner.add(self)
 
     @classmethod
@@ -35,38 +44,47 @@ class RequestOutputs:
         prompt: Any,
         params: SamplingParams,
         owner: OutputReaders,
+        streaming: bool = False,
     ) -> RequestOutputs:
         """Admit a request (raising as ``add_request`` does) and start reading its outputs."""
         request_id = await engine.add_request(prompt, params)
-        return cls(engine, request_id, owner)
+        return cls(engine, request_id, owner, streaming)
 
     async def _read(self) -> None:
+        queue = self._queue
         try:
             async for output in self._engine.stream(self.request_id):
-                self._queue.put_nowait(output)
+                if queue is not None:
+                    queue.put_nowait(output)
+                elif output.finished:
+                    self.final.set_result(output)
         except Exception as exc:  # the engine closed or died: the consumer re-raises it
-            self._queue.put_nowait(exc)
+            if queue is not None:
+                queue.put_nowait(exc)
+            else:
+                self.final.set_exception(exc)
         finally:
             self._owner.discard(self)
 
+    @property
+    def finished(self) -> bool:
+        """Whether the request has ended: its final output (or the engine's end) has
+        been read by a streaming consumer, or has come for a non-streaming one."""
+        return self._read_final if self._queue is not None else self.final.done()
+
     async def next(self, timeout: float | None = None) -> RequestOutput | None:
-        """The next output, or ``None`` if none came within ``timeout`` seconds."""
+        """The next output of a streaming consumer, or ``None`` if none came within
+        ``timeout`` seconds."""
+        assert self._queue is not None, "next() reads a streaming request's outputs"
         try:
             item = await asyncio.wait_for(self._queue.get(), timeout)
         except asyncio.TimeoutError:
             return None
         if isinstance(item, BaseException):
-            self.finished = True
+            self._read_final = True
             raise item
-        self.finished = item.finished
+        self._read_final = item.finished
         return item
-
-    async def final(self) -> RequestOutput:
-        """The final output (intermediate ones are skipped)."""
-        while True:
-            output = await self.next()
-            if output is not None and output.finished:
-                return output
 
     def abandon(self, reason: str) -> None:
         """Abort the request unless its final output has already been read."""

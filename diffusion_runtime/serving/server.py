@@ -52,15 +52,22 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "info",
+    access_log: bool = False,
 ) -> None:
-    """Start an engine, serve it over HTTP until interrupted, then close it."""
+    """Start an engine, serve it over HTTP until interrupted, then close it.
+
+    ``access_log`` logs a line per request (off by default: it costs every
+    request CPU time on the event loop that serves them all)."""
     server_config = server_config if server_config is not None else ServerConfig()
     with DiffusionEngine.make_engine(engine_config) as engine:
         app = build_app(engine, server_config)
         # Also sets up uvicorn's logging. Requests still running after the grace
         # period are cancelled, which aborts them in the engine.
         config = uvicorn.Config(
-            app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+            app,
+            log_level=log_level,
+            access_log=access_log,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
         with bound_socket(host, port) as sock:
             logging.getLogger("uvicorn.error").info(
