@@ -12,8 +12,9 @@ Both sides use the same engine settings, and the rounds alternate (in
 process, HTTP, in process, HTTP) so load on the machine hits both alike.
 Latency is per request, send to answer.
 
-It runs once with a single client (the per-request cost of HTTP alone) and
-once with ``clients``. The HTTP side also reports what the server saw: the
+Each engine setting of :data:`SETTINGS` (request mode, request mode with
+admission coalescing, step mode) runs once with a single client (the
+per-request cost of HTTP alone) and once with ``clients``. The HTTP side also reports what the server saw: the
 engine's mean admission-to-completion time, the mean wave size, and the CPU
 the server process and the client spent per request, which tell queueing in
 the engine apart from time spent in HTTP on either end.
@@ -201,6 +202,14 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+#: The engine settings measured, each on both sides: (name, execution mode, batch wait ms).
+SETTINGS = (
+    ("request", "request", 0.0),
+    ("request_coalescing_4ms", "request", 4.0),
+    ("step", "step", 0.0),
+)
+
+
 def run(
     clients: int = 16,
     requests_per_client: int = 8,
@@ -208,16 +217,31 @@ def run(
     rounds: int = 2,
     intra_op_threads: int | None = 1,
 ) -> dict[str, Any]:
-    params = SamplingParams(num_inference_steps=steps)
-    config = EngineConfig(
-        pipeline="digits", device="cpu", max_num_seqs=clients, intra_op_threads=intra_op_threads
-    )
+    """Every engine setting of :data:`SETTINGS`, with one client and with ``clients``."""
     result: dict[str, Any] = {
         "benchmark": "http",
         "pipeline": "digits",
         "steps": steps,
         "intra_op_threads": intra_op_threads,
     }
+    for name, mode, batch_wait_ms in SETTINGS:
+        config = EngineConfig(
+            pipeline="digits",
+            device="cpu",
+            max_num_seqs=clients,
+            intra_op_threads=intra_op_threads,
+            execution_mode=mode,
+            request_batch_max_wait_ms=batch_wait_ms,
+        )
+        result[name] = _one_setting(config, steps, clients, requests_per_client, rounds)
+    return result
+
+
+def _one_setting(
+    config: EngineConfig, steps: int, clients: int, requests_per_client: int, rounds: int
+) -> dict[str, Any]:
+    params = SamplingParams(num_inference_steps=steps)
+    result: dict[str, Any] = {}
     with serve_process(config) as server:
         for concurrency in (1, clients):
             per_client = requests_per_client * clients // concurrency
