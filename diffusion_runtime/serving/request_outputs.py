@@ -63,6 +63,9 @@ class RequestOutputs:
                 queue.put_nowait(exc)
             else:
                 self.final.set_exception(exc)
+                # Marked as seen: a consumer that left first never awaits it, and
+                # asyncio would log the error as lost; one that awaits still gets it.
+                self.final.exception()
         finally:
             self._owner.discard(self)
 
