@@ -153,6 +153,7 @@ def test_admission_coalescing_fires_at_once_when_the_wave_is_full() -> None:
 def test_admission_coalescing_deadline_caps_the_wait() -> None:
     scheduler = make(max_num_seqs=8, request_batch_max_wait_ms=100.0)
     t0 = add(scheduler, "a").arrival_time
+    assert scheduler.schedule(now=t0) is None  # the engine is idle: it looks at once
     # Arrivals every 40 ms never leave the queue quiet for the 50 ms window...
     add(scheduler, "b").arrival_time = t0 + 0.04
     add(scheduler, "c").arrival_time = t0 + 0.08
@@ -161,3 +162,24 @@ def test_admission_coalescing_deadline_caps_the_wait() -> None:
     # ...so the oldest request's 100 ms deadline is what ends the wait.
     out = scheduler.schedule(now=t0 + 0.1)
     assert out is not None and out.scheduled_ids == ("a", "b", "c")
+
+
+def test_time_behind_another_wave_does_not_use_up_the_coalescing_window() -> None:
+    """Requests that waited through a busy engine still wait for company once it
+    is free: clients that resubmit on every answer would otherwise split into
+    groups whose waves alternate."""
+    scheduler = make(max_num_seqs=8, request_batch_max_wait_ms=100.0)
+    t0 = add(scheduler, "a").arrival_time
+    add(scheduler, "b").arrival_time = t0
+    # The engine first looks 500 ms later (another wave ran): a fresh window starts.
+    assert scheduler.schedule(now=t0 + 0.5) is None
+    assert scheduler.next_wakeup() == pytest.approx(t0 + 0.55)  # quiet for 50 ms from then
+    add(scheduler, "c").arrival_time = t0 + 0.53  # the other group's request comes back
+    assert scheduler.schedule(now=t0 + 0.531) is None
+    assert scheduler.next_wakeup() == pytest.approx(t0 + 0.58)
+    out = scheduler.schedule(now=t0 + 0.58)
+    assert out is not None and out.scheduled_ids == ("a", "b", "c")
+    # The next wave's window starts afresh.
+    d = add(scheduler, "d")
+    assert scheduler.schedule(now=d.arrival_time) is None
+    assert scheduler.next_wakeup() == pytest.approx(d.arrival_time + 0.05)

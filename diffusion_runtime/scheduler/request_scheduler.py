@@ -17,8 +17,16 @@ class RequestScheduler(BaseScheduler):
     and every request of the wave terminates when the wave's output is applied.
 
     With ``request_batch_max_wait_ms > 0``, a wave that is not full waits for
-    more requests until the oldest one has waited that long, or until no new
-    request has arrived for ``min(0.3 s, wait / 2)``.
+    more requests. The wait counts from when the wave could first have
+    started: the scheduler's first look at it (right after its first
+    request arrives when the engine is idle; when the previous wave ends if
+    the engine was busy). It ends after ``request_batch_max_wait_ms``, or
+    once no request has arrived for ``min(0.3 s, wait / 2)`` (counted from
+    that same start at the earliest), whichever comes first. Time spent
+    behind another wave does not use up a request's window: otherwise
+    clients that send their next request as soon as an answer arrives split
+    into groups whose waves alternate, each group's requests too old to wait
+    for the other's.
     """
 
     def __init__(self, machine: RequestMachine[Request], config: EngineConfig) -> None:
@@ -26,12 +34,16 @@ class RequestScheduler(BaseScheduler):
         self.max_wait_s = config.request_batch_max_wait_ms / 1000.0
         self.stable_window_s = min(MAX_STABLE_WINDOW_S, self.max_wait_s / 2)
         self._wakeup_at: float | None = None
+        #: When the wave being held back could first have started (None: none is held).
+        self._could_start_at: float | None = None
 
     def schedule(self, now: float) -> SchedulerOutput | None:
         self._wakeup_at = None
         wave = self.plan(now, may_preempt=False)[1]
         if wave and self._should_wait_for_more(wave, now):
             wave = []
+        else:
+            self._could_start_at = None
         return self.build_output(wave)
 
     def next_wakeup(self) -> float | None:
@@ -61,9 +73,12 @@ class RequestScheduler(BaseScheduler):
             return False
         if len(wave) < len(self.waiting):
             return False  # requests of other keys wait: go now rather than delay them
-        deadline = wave[0].arrival_time + self.max_wait_s
+        if self._could_start_at is None:  # the first look at this wave
+            self._could_start_at = now
+        start = self._could_start_at
         newest = next(reversed(self.waiting.values()))
-        stable_at = newest.arrival_time + self.stable_window_s
+        deadline = start + self.max_wait_s
+        stable_at = max(newest.arrival_time, start) + self.stable_window_s
         wake = min(deadline, stable_at)
         if now >= wake:
             return False
