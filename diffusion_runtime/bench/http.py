@@ -14,10 +14,11 @@ Latency is per request, send to answer.
 
 Each engine setting of :data:`SETTINGS` (request mode, request mode with
 admission coalescing, step mode) runs once with a single client (the
-per-request cost of HTTP alone) and once with ``clients``. The HTTP side also reports what the server saw: the
-engine's mean admission-to-completion time, the mean wave size, and the CPU
-the server process and the client spent per request, which tell queueing in
-the engine apart from time spent in HTTP on either end.
+per-request cost of HTTP alone) and once with ``clients``. The HTTP side
+also reports what the server saw: the engine's mean admission-to-completion
+time, the mean wave size, and the CPU the server process and the client
+spent per request, which tell queueing in the engine apart from time spent
+in HTTP on either end.
 """
 
 from __future__ import annotations
