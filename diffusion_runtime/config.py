@@ -147,7 +147,11 @@ class EngineConfig:
     that has waited ``scheduling_aging_s`` goes before every younger one and is
     no longer preempted (the bound against starvation). ``deadline_miss="drop"``
     aborts a request whose deadline passes while it waits (reason ``"deadline"``);
-    ``"run_late"`` runs it anyway.
+    ``"run_late"`` runs it anyway. ``preempted_offload_bytes`` > 0 (step mode)
+    lets each worker keep the step state of requests a step does not run
+    (preempted ones) in host memory, up to that many bytes, and bring it back
+    before they resume; 0 (the default) keeps every state on the device
+    (``docs/gpu.md``).
 
     The ``ray_*`` fields apply to ``executor_backend="ray"`` (see
     ``docs/distributed.md``): ``ray_address`` names the cluster to join (None:
@@ -203,6 +207,7 @@ class EngineConfig:
         default=10.0, validator=finite_in_range(0.001, 86_400.0)
     )
     deadline_miss: str = attrs.field(default="run_late", validator=one_of(*DEADLINE_MISS_ACTIONS))
+    preempted_offload_bytes: int = attrs.field(default=0, validator=int_in_range(0, 2**50))
     ray_address: str | None = attrs.field(default=None, validator=_is_optional_address)
     ray_placement_strategy: str = attrs.field(
         default="PACK", validator=one_of(*RAY_PLACEMENT_STRATEGIES)

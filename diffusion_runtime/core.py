@@ -65,7 +65,11 @@ _Outgoing = tuple[Request, RequestOutput]
 
 @attrs.frozen
 class EngineSnapshot:
-    """What the engine and its workers hold right now, by request id (for checks and audits)."""
+    """What the engine and its workers hold right now, by request id (for checks and audits).
+
+    ``runner_offloaded_ids`` are the ``runner_cached_ids`` whose state is in host
+    memory (``EngineConfig.preempted_offload_bytes``).
+    """
 
     scheduler_ids: frozenset[str]
     running_ids: frozenset[str]
@@ -73,6 +77,7 @@ class EngineSnapshot:
     runner_cached_ids: frozenset[str]
     executor_held_ids: frozenset[str]
     unclaimed_stream_ids: frozenset[str]
+    runner_offloaded_ids: frozenset[str] = frozenset()
 
 
 class EngineCore:
@@ -375,6 +380,11 @@ class EngineCore:
         """Per-request state held by the scheduler, the runner and the executor."""
         alive = self._dead is None and not self._shut_down
         cached = self.collective_rpc("cached_request_ids", unique_reply_rank=0) if alive else []
+        offloaded = (
+            self.collective_rpc("offloaded_request_ids", unique_reply_rank=0)
+            if alive and self.config.preempted_offload_bytes
+            else []
+        )
         return EngineSnapshot(
             scheduler_ids=frozenset(self.scheduler.requests),
             running_ids=frozenset(self.scheduler.running),
@@ -382,6 +392,7 @@ class EngineCore:
             runner_cached_ids=frozenset(cached),
             executor_held_ids=self.executor.held_request_ids(),
             unclaimed_stream_ids=frozenset(),
+            runner_offloaded_ids=frozenset(offloaded),
         )
 
     def shutdown(self, reason: str = "the engine was shut down") -> list[RequestOutput]:

@@ -20,6 +20,7 @@ from diffusion_runtime.pipelines.protocols import (
 from diffusion_runtime.runner.faults import is_sticky_device_fault
 from diffusion_runtime.runner.host_copy import HostCopier
 from diffusion_runtime.runner.input_batch import InputBatch
+from diffusion_runtime.runner.state_offload import StateOffloader
 
 
 class ModelRunner:
@@ -35,7 +36,10 @@ class ModelRunner:
     first appears, advanced one step per output, dropped as soon as the
     request finishes or fails here, or when an output lists it as finished.
     With ``preview_interval`` k > 0, a pipeline's optional ``preview`` runs
-    every k steps for streaming.
+    every k steps for streaming. With ``offload_budget_bytes`` > 0, the states
+    of requests a step does not run (preempted ones) are kept in host memory
+    within that budget and brought back before they run (see
+    :class:`StateOffloader`).
 
     Results come back in two phases (see :class:`HostCopier`): the returned
     output's ``output_ready`` fence says when its images and previews have
@@ -51,6 +55,7 @@ class ModelRunner:
         step_mode: bool = False,
         preview_interval: int = 0,
         overlap_outputs: bool = True,
+        offload_budget_bytes: int = 0,
     ) -> None:
         needed = ("forward", *STEP_METHODS) if step_mode else ("forward",)
         missing = [m for m in needed if not callable(getattr(pipeline, m, None))]
@@ -71,6 +76,11 @@ class ModelRunner:
         self.states: dict[str, StepRequestState] = {}
         self.input_batch = InputBatch()
         self.host_copier = HostCopier(device, overlap=overlap_outputs)
+        self.offloader = (
+            StateOffloader(device, offload_budget_bytes)
+            if step_mode and offload_budget_bytes
+            else None
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one output; return once its work is enqueued (compute done)."""
@@ -91,6 +101,8 @@ class ModelRunner:
     def _release(self, request_ids: Sequence[str]) -> list[str]:
         states = self.states
         released = [rid for rid in request_ids if states.pop(rid, None) is not None]
+        if self.offloader is not None:
+            self.offloader.forget(request_ids)
         if released:
             self.input_batch.invalidate()
             if self._release_in_pipeline is not None:
@@ -100,6 +112,10 @@ class ModelRunner:
     def cached_request_ids(self) -> list[str]:
         """Ids of requests with state held between outputs."""
         return list(self.states)
+
+    def offloaded_request_ids(self) -> list[str]:
+        """Ids of the cached requests whose state is now in host memory."""
+        return [] if self.offloader is None else self.offloader.offloaded_ids()
 
     # -- request mode ------------------------------------------------------------------
 
@@ -139,6 +155,11 @@ class ModelRunner:
 
     def _step(self, scheduler_output: SchedulerOutput, result: RunnerOutput) -> None:
         pipeline = cast(StepPipeline, self.pipeline)
+        # Idle states leave the device before new ones are encoded.
+        if self.offloader is not None and self.offloader.place(
+            self.states, scheduler_output.scheduled_ids
+        ):
+            self.input_batch.invalidate()
         for data in scheduler_output.scheduled_new_reqs:
             try:
                 self.states[data.request_id] = pipeline.prepare_encode(self._pipeline_request(data))

@@ -71,6 +71,7 @@ class Worker:
         {
             "execute_model",
             "cached_request_ids",
+            "offloaded_request_ids",
             "release_requests",
             "check_health",
             "device_name",
@@ -98,6 +99,7 @@ class Worker:
                 step_mode=config.resolved_mode == "step",
                 preview_interval=config.preview_interval if config.streaming_output else 0,
                 overlap_outputs=config.overlap_outputs,
+                offload_budget_bytes=config.preempted_offload_bytes,
             )
             self._methods.update((name, getattr(self, name)) for name in self.RPC_METHODS)
             for extension in config.worker_extensions:
@@ -145,6 +147,9 @@ class Worker:
 
     def cached_request_ids(self) -> list[str]:
         return self.runner.cached_request_ids()
+
+    def offloaded_request_ids(self) -> list[str]:
+        return self.runner.offloaded_request_ids()
 
     def release_requests(self, request_ids: list[str]) -> None:
         self.runner.release_requests(request_ids)

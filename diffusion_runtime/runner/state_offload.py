@@ -1,0 +1,189 @@
+"""Keeps the step states of idle requests in host memory, within a byte budget.
+
+A state is idle when a step does not run it: its request is preempted (or
+otherwise left out of the step). The offloader moves an idle state's tensors
+to host memory, pinned when the device is CUDA, and moves them back to the
+device before the step that runs the state again. The values are copied
+exactly, so a resumed request's output is unchanged.
+
+What moves: every device tensor reachable from the state's ``latents``,
+``timesteps``, ``scheduler`` and ``conditioning`` through lists, tuples,
+dicts, attrs instances and plain objects' attributes (a tensor reached twice
+is copied once, so aliases stay aliases). Modules (shared weights) and the
+request's generator stay where they are: a CUDA generator holds only a seed
+and an offset, no device memory, and cannot live on the host.
+
+Order: the state idle the longest goes first; a state that does not fit in
+what is left of the budget is skipped for the next one. A state counts
+``numel * element_size`` bytes per tensor moved. On a CPU device the tensors
+already live in host memory: ``tensor.to("cpu")`` returns the same tensor,
+so nothing is copied, but the accounting is the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from diffusion_runtime.pipelines.protocols import StepRequestState
+
+TensorMap = Callable[[torch.Tensor], torch.Tensor]
+
+#: Values never walked into, besides callables (modules, functions, classes: shared
+#: weights and code): scalars and generators.
+_OPAQUE = (str, bytes, int, float, bool, torch.Generator)
+
+#: The fields of a state that hold its tensors (``request`` holds the generator).
+_TENSOR_FIELDS = ("latents", "timesteps", "scheduler", "conditioning")
+
+
+@attrs.define
+class _Offloaded:
+    """One offloaded state: its size and the identities of its host tensors."""
+
+    num_bytes: int
+    host_tensor_ids: frozenset[int]
+
+
+class StateOffloader:
+    """Moves idle step states between one device and host memory, within ``budget_bytes``."""
+
+    def __init__(self, device: torch.device, budget_bytes: int) -> None:
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self._pin = device.type == "cuda"
+        # Request ids by when they last ran, least recently first.
+        self._last_ran: dict[str, None] = {}
+        self._offloaded: dict[str, _Offloaded] = {}
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of the states now in host memory."""
+        return sum(entry.num_bytes for entry in self._offloaded.values())
+
+    def offloaded_ids(self) -> list[str]:
+        """Ids of the states now in host memory."""
+        return list(self._offloaded)
+
+    def place(self, states: Mapping[str, StepRequestState], running: Sequence[str]) -> bool:
+        """Before a step that runs ``running``: bring their states back to the device,
+        then offload idle states while the budget allows. True when a state moved
+        (it now holds new tensors)."""
+        moved = False
+        running_ids = set(running)
+        for request_id in running:
+            self._last_ran.pop(request_id, None)
+            self._last_ran[request_id] = None
+            entry = self._offloaded.pop(request_id, None)
+            if entry is not None:
+                self._restore(states[request_id], entry)
+                moved = True
+        room = self.budget_bytes - self.offloaded_bytes
+        for request_id in self._last_ran:
+            state = states.get(request_id)
+            if state is None or request_id in running_ids or request_id in self._offloaded:
+                continue
+            entry = self._offload(state, room)
+            if entry is not None:
+                self._offloaded[request_id] = entry
+                room -= entry.num_bytes
+                moved = True
+        return moved
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop what is kept for these requests (their states were released)."""
+        for request_id in request_ids:
+            self._last_ran.pop(request_id, None)
+            self._offloaded.pop(request_id, None)
+
+    def _offload(self, state: StepRequestState, room: int) -> _Offloaded | None:
+        on_device: dict[int, torch.Tensor] = {}
+
+        def collect(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.device.type == self.device.type:
+                on_device[id(tensor)] = tensor
+            return tensor
+
+        _map_state_tensors(state, collect)
+        num_bytes = sum(tensor.nbytes for tensor in on_device.values())
+        if num_bytes > room:
+            return None
+        copies: dict[int, torch.Tensor] = {}
+
+        def to_host(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in on_device:
+                return tensor
+            if id(tensor) not in copies:
+                copies[id(tensor)] = self._host_copy(tensor)
+            return copies[id(tensor)]
+
+        _map_state_tensors(state, to_host)
+        return _Offloaded(num_bytes, frozenset(id(copy) for copy in copies.values()))
+
+    def _restore(self, state: StepRequestState, entry: _Offloaded) -> None:
+        copies: dict[int, torch.Tensor] = {}
+
+        def to_device(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in entry.host_tensor_ids:
+                return tensor
+            if id(tensor) not in copies:
+                copies[id(tensor)] = tensor.to(self.device, non_blocking=self._pin)
+            return copies[id(tensor)]
+
+        _map_state_tensors(state, to_device)
+
+    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self._pin:
+            return tensor.to("cpu")
+        # Same stream as the compute: later device work and the copy back are
+        # ordered after this copy, so it need not be waited for.
+        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host
+
+
+def _map_state_tensors(state: StepRequestState, fn: TensorMap) -> None:
+    seen: set[int] = set()
+    for name in _TENSOR_FIELDS:
+        value = getattr(state, name)
+        mapped = _map_tensors(value, fn, seen)
+        if mapped is not value:
+            setattr(state, name, mapped)
+
+
+def _map_tensors(value: Any, fn: TensorMap, seen: set[int]) -> Any:
+    """``value`` with each tensor ``t`` replaced by ``fn(t)``: containers and objects
+    are updated in place, tuples rebuilt only when an item changed."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if value is None or isinstance(value, _OPAQUE) or callable(value):
+        return value
+    if id(value) in seen:
+        return value
+    seen.add(id(value))
+    if isinstance(value, list):
+        value[:] = [_map_tensors(item, fn, seen) for item in value]
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            value[key] = _map_tensors(item, fn, seen)
+    elif type(value) is tuple:
+        items = tuple(_map_tensors(item, fn, seen) for item in value)
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+    elif attrs.has(type(value)):
+        for field in attrs.fields(type(value)):
+            _map_attribute(value, field.name, fn, seen)
+    elif hasattr(value, "__dict__"):
+        for name in list(vars(value)):
+            _map_attribute(value, name, fn, seen)
+    return value
+
+
+def _map_attribute(owner: Any, name: str, fn: TensorMap, seen: set[int]) -> None:
+    item = getattr(owner, name)
+    mapped = _map_tensors(item, fn, seen)
+    if mapped is not item:
+        # object.__setattr__ also works for frozen and slotted classes.
+        object.__setattr__(owner, name, mapped)
