@@ -159,9 +159,11 @@ def core_harness(mode: str, backend: str = "uni") -> type[CoreLifecycleMachine]:
 
 def preempt_harness() -> type[CoreLifecycleMachine]:
     """The step-mode core under the preemptive priority policy, priorities drawn per
-    request: a better-ranked arrival preempts a running request, which resumes later."""
+    request: a better-ranked arrival preempts a running request, which resumes later.
+    The offload budget holds about two preempted states, so some resume from host
+    memory and some from the device."""
     return core_lifecycle_machine(
-        lambda: config("step", policy="priority"),
+        lambda: config("step", policy="priority", preempted_offload_bytes=16 * 2**10),
         prompts=st.sampled_from(["cat", "dog", 7]),
         failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
         fatal_prompts=st.just("device-fault"),

@@ -155,9 +155,13 @@ class ModelRunner:
 
     def _step(self, scheduler_output: SchedulerOutput, result: RunnerOutput) -> None:
         pipeline = cast(StepPipeline, self.pipeline)
-        # Idle states leave the device before new ones are encoded.
-        if self.offloader is not None and self.offloader.place(
-            self.states, scheduler_output.scheduled_ids
+        # Idle states leave the device before new ones are encoded. An output
+        # that only releases states is no step: it leaves every state in place.
+        offloader = self.offloader
+        if (
+            offloader is not None
+            and scheduler_output.has_work
+            and offloader.place(self.states, scheduler_output.scheduled_ids)
         ):
             self.input_batch.invalidate()
         for data in scheduler_output.scheduled_new_reqs:

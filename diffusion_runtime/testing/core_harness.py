@@ -337,6 +337,9 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             preempted = {rid for rid, s in self.states.items() if s is RequestStatus.PREEMPTED}
             assert snapshot.running_ids <= snapshot.runner_cached_ids, snapshot
             assert snapshot.runner_cached_ids <= snapshot.running_ids | preempted, snapshot
+            # Only a state that sat out the last step may be in host memory.
+            idle = snapshot.runner_cached_ids - snapshot.running_ids
+            assert snapshot.runner_offloaded_ids <= idle, snapshot
         pipeline_held = set(self._pipeline_held()) & finished
         assert not pipeline_held, f"the pipeline holds finished requests {sorted(pipeline_held)}"
 
