@@ -16,6 +16,9 @@ from diffusion_runtime import EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.pipelines.protocols import PipelineRequest
+from diffusion_runtime.pipelines.registry import build_pipeline
+from diffusion_runtime.runner.state_offload import map_state_tensors
 from diffusion_runtime.runner.worker import Worker
 
 S = RequestStatus
@@ -207,3 +210,27 @@ def test_on_cuda_an_offloaded_state_sits_in_pinned_host_memory(solo_images: Solo
         ]
         finals = drain(core)
     assert torch.equal(finals[low].image_batch, solo_images("0", 0, "cuda"))
+
+
+def test_every_tensor_of_a_state_is_mapped_once_and_aliases_stay_aliases() -> None:
+    cpu = torch.device("cpu")
+    pipeline = build_pipeline("digits", cpu, {})
+    state = pipeline.prepare_encode(PipelineRequest("r", "3", LOW, 7, cpu))
+    (model_output,) = pipeline.denoise_step([state])
+    pipeline.step_scheduler(state, model_output)
+    labels, x0, generator = state.conditioning, state.scheduler.x0, state.request.generator
+    state.conditioning = {"labels": labels, "pair": (state.latents, x0), "scale": 2.0}
+    reached: list[torch.Tensor] = []
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        reached.append(tensor)
+        return tensor.clone()
+
+    map_state_tensors(state, copy)
+    assert len(reached) == 3, "latents, labels and x0, each once"
+    assert state.scheduler.x0 is not x0 and torch.equal(state.scheduler.x0, x0)
+    assert state.conditioning["labels"] is not labels
+    assert torch.equal(state.conditioning["labels"], labels)
+    assert state.conditioning["pair"][0] is state.latents
+    assert state.conditioning["pair"][1] is state.scheduler.x0
+    assert state.request.generator is generator

@@ -42,10 +42,10 @@ _TENSOR_FIELDS = ("latents", "timesteps", "scheduler", "conditioning")
 
 @attrs.define
 class _Offloaded:
-    """One offloaded state: its size and the identities of its host tensors."""
+    """One offloaded state: its size and its host copies (to be moved back)."""
 
     num_bytes: int
-    host_tensor_ids: frozenset[int]
+    host_copies: list[torch.Tensor]
 
 
 class StateOffloader:
@@ -100,40 +100,38 @@ class StateOffloader:
             self._offloaded.pop(request_id, None)
 
     def _offload(self, state: StepRequestState, room: int) -> _Offloaded | None:
-        on_device: dict[int, torch.Tensor] = {}
+        on_device: list[torch.Tensor] = []
 
         def collect(tensor: torch.Tensor) -> torch.Tensor:
             if tensor.device.type == self.device.type:
-                on_device[id(tensor)] = tensor
+                on_device.append(tensor)
             return tensor
 
-        _map_state_tensors(state, collect)
-        num_bytes = sum(tensor.nbytes for tensor in on_device.values())
+        map_state_tensors(state, collect)
+        num_bytes = sum(tensor.nbytes for tensor in on_device)
         if num_bytes > room:
             return None
-        copies: dict[int, torch.Tensor] = {}
+        moved = {id(tensor) for tensor in on_device}
+        copies: list[torch.Tensor] = []
 
         def to_host(tensor: torch.Tensor) -> torch.Tensor:
-            if id(tensor) not in on_device:
+            if id(tensor) not in moved:
                 return tensor
-            if id(tensor) not in copies:
-                copies[id(tensor)] = self._host_copy(tensor)
-            return copies[id(tensor)]
+            copies.append(self._host_copy(tensor))
+            return copies[-1]
 
-        _map_state_tensors(state, to_host)
-        return _Offloaded(num_bytes, frozenset(id(copy) for copy in copies.values()))
+        map_state_tensors(state, to_host)
+        return _Offloaded(num_bytes, copies)
 
     def _restore(self, state: StepRequestState, entry: _Offloaded) -> None:
-        copies: dict[int, torch.Tensor] = {}
+        host_copies = {id(copy) for copy in entry.host_copies}
 
         def to_device(tensor: torch.Tensor) -> torch.Tensor:
-            if id(tensor) not in entry.host_tensor_ids:
+            if id(tensor) not in host_copies:
                 return tensor
-            if id(tensor) not in copies:
-                copies[id(tensor)] = tensor.to(self.device, non_blocking=self._pin)
-            return copies[id(tensor)]
+            return tensor.to(self.device, non_blocking=self._pin)
 
-        _map_state_tensors(state, to_device)
+        map_state_tensors(state, to_device)
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self._pin:
@@ -145,45 +143,61 @@ class StateOffloader:
         return host
 
 
-def _map_state_tensors(state: StepRequestState, fn: TensorMap) -> None:
-    seen: set[int] = set()
+def map_state_tensors(state: StepRequestState, fn: TensorMap) -> None:
+    """Replace each tensor ``t`` of ``state`` (see the module docstring for which)
+    by ``fn(t)``, in place. ``fn`` is called once per distinct tensor: a tensor
+    reached twice is replaced by the same result both times."""
+    walk = _TensorWalk(fn)
     for name in _TENSOR_FIELDS:
         value = getattr(state, name)
-        mapped = _map_tensors(value, fn, seen)
+        mapped = walk.map(value)
         if mapped is not value:
             setattr(state, name, mapped)
 
 
-def _map_tensors(value: Any, fn: TensorMap, seen: set[int]) -> Any:
-    """``value`` with each tensor ``t`` replaced by ``fn(t)``: containers and objects
-    are updated in place, tuples rebuilt only when an item changed."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if value is None or isinstance(value, _OPAQUE) or callable(value):
-        return value
-    if id(value) in seen:
-        return value
-    seen.add(id(value))
-    if isinstance(value, list):
-        value[:] = [_map_tensors(item, fn, seen) for item in value]
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            value[key] = _map_tensors(item, fn, seen)
-    elif type(value) is tuple:
-        items = tuple(_map_tensors(item, fn, seen) for item in value)
-        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
-    elif attrs.has(type(value)):
-        for field in attrs.fields(type(value)):
-            _map_attribute(value, field.name, fn, seen)
-    elif hasattr(value, "__dict__"):
-        for name in list(vars(value)):
-            _map_attribute(value, name, fn, seen)
-    return value
+class _TensorWalk:
+    """One pass over a state's values: containers and objects are updated in place,
+    tuples rebuilt only when an item changed."""
 
+    def __init__(self, fn: TensorMap) -> None:
+        self.fn = fn
+        self.visited: set[int] = set()
+        # By id of the original, which is kept alive so that its id is not reused.
+        self.results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-def _map_attribute(owner: Any, name: str, fn: TensorMap, seen: set[int]) -> None:
-    item = getattr(owner, name)
-    mapped = _map_tensors(item, fn, seen)
-    if mapped is not item:
-        # object.__setattr__ also works for frozen and slotted classes.
-        object.__setattr__(owner, name, mapped)
+    def map(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value)
+        if value is None or isinstance(value, _OPAQUE) or callable(value):
+            return value
+        if id(value) in self.visited:
+            return value
+        self.visited.add(id(value))
+        if isinstance(value, list):
+            value[:] = [self.map(item) for item in value]
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                value[key] = self.map(item)
+        elif type(value) is tuple:
+            items = tuple(self.map(item) for item in value)
+            return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+        elif attrs.has(type(value)):
+            for field in attrs.fields(type(value)):
+                self._attribute(value, field.name)
+        elif hasattr(value, "__dict__"):
+            for name in list(vars(value)):
+                self._attribute(value, name)
+        return value
+
+    def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        known = self.results.get(id(tensor))
+        if known is None:
+            known = self.results[id(tensor)] = (tensor, self.fn(tensor))
+        return known[1]
+
+    def _attribute(self, owner: Any, name: str) -> None:
+        item = getattr(owner, name)
+        mapped = self.map(item)
+        if mapped is not item:
+            # object.__setattr__ also works for frozen and slotted classes.
+            object.__setattr__(owner, name, mapped)
