@@ -18,7 +18,7 @@ from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.pipelines.protocols import PipelineRequest
 from diffusion_runtime.pipelines.registry import build_pipeline
-from diffusion_runtime.runner.state_offload import map_state_tensors
+from diffusion_runtime.runner.state_offload import StateOffloader, map_state_tensors
 from diffusion_runtime.runner.worker import Worker
 
 S = RequestStatus
@@ -234,3 +234,19 @@ def test_every_tensor_of_a_state_is_mapped_once_and_aliases_stay_aliases() -> No
     assert state.conditioning["pair"][0] is state.latents
     assert state.conditioning["pair"][1] is state.scheduler.x0
     assert state.request.generator is generator
+
+
+def test_the_state_idle_longest_is_offloaded_first() -> None:
+    cpu = torch.device("cpu")
+    pipeline = build_pipeline("digits", cpu, {})
+    states = {rid: pipeline.prepare_encode(PipelineRequest(rid, "1", LOW, 0, cpu)) for rid in "abc"}
+    one_state = states["a"].latents.nbytes + states["a"].conditioning.nbytes
+    offloader = StateOffloader(cpu, budget_bytes=one_state)
+    offloader.place(states, ["a", "b", "c"])
+    offloader.place(states, ["b", "c"])
+    offloader.place(states, ["c"])
+    assert offloader.offloaded_ids() == ["a"], "a has been idle longest; b does not fit"
+    offloader.place(states, ["a", "c"])
+    assert offloader.offloaded_ids() == ["b"] and offloader.offloaded_bytes == one_state
+    offloader.forget(["b"])
+    assert offloader.offloaded_ids() == [] and offloader.offloaded_bytes == 0
