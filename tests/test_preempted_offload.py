@@ -250,3 +250,34 @@ def test_the_state_idle_longest_is_offloaded_first() -> None:
     assert offloader.offloaded_ids() == ["b"] and offloader.offloaded_bytes == one_state
     offloader.forget(["b"])
     assert offloader.offloaded_ids() == [] and offloader.offloaded_bytes == 0
+
+
+def test_a_diffusers_multistep_state_continues_unchanged_after_its_tensors_are_replaced() -> None:
+    """The walk reaches a diffusers scheduler's own tensors (the multistep solver's
+    history) and leaves its frozen config alone: copying every tensor of a state mid-way,
+    as an offload to another device does, changes none of its images."""
+    pytest.importorskip("diffusers")
+    import diffusers_models as models
+
+    from diffusion_runtime.pipelines.diffusers import DiffusersPipeline
+
+    pipe = models.with_scheduler(models.dit_pipeline(), "DPMSolverMultistepScheduler")
+    adapter = DiffusersPipeline(pipe, rows_per_call=8)
+    params = SamplingParams(num_inference_steps=4, guidance_scale=3.0)
+    cpu = torch.device("cpu")
+    states = [adapter.prepare_encode(PipelineRequest(rid, 1, params, 5, cpu)) for rid in "ab"]
+    reached: list[torch.Tensor] = []
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        reached.append(tensor)
+        return tensor.clone()
+
+    for step in range(params.num_inference_steps):
+        if step == 2:
+            history = list(states[1].scheduler.model_outputs)
+            map_state_tensors(states[1], copy)
+            assert any(t is history[-1] for t in reached), "the solver's history is reached"
+        for state in states:
+            (model_output,) = adapter.denoise_step([state])
+            adapter.step_scheduler(state, model_output)
+    assert torch.equal(adapter.post_decode(states[0]), adapter.post_decode(states[1]))

@@ -173,11 +173,14 @@ class _TensorWalk:
         if id(value) in self.visited:
             return value
         self.visited.add(id(value))
-        if isinstance(value, list):
-            value[:] = [self.map(item) for item in value]
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                value[key] = self.map(item)
+        if isinstance(value, (list, dict)):
+            # Written only where a tensor changed: a config dict is left untouched.
+            keys = range(len(value)) if isinstance(value, list) else list(value)
+            for key in keys:
+                item = value[key]
+                mapped = self.map(item)
+                if mapped is not item:
+                    value[key] = mapped
         elif type(value) is tuple:
             items = tuple(self.map(item) for item in value)
             return value if all(a is b for a, b in zip(items, value, strict=True)) else items
