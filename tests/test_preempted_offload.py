@@ -252,6 +252,8 @@ def test_the_state_idle_longest_is_offloaded_first() -> None:
     assert offloader.offloaded_ids() == [] and offloader.offloaded_bytes == 0
 
 
+# Raised inside diffusers' sigma schedulers under numpy 2 (not by the runtime).
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 def test_a_diffusers_multistep_state_continues_unchanged_after_its_tensors_are_replaced() -> None:
     """The walk reaches a diffusers scheduler's own tensors (the multistep solver's
     history) and leaves its frozen config alone: copying every tensor of a state mid-way,
