@@ -14,7 +14,8 @@ request's generator stay where they are: a CUDA generator holds only a seed
 and an offset, no device memory, and cannot live on the host.
 
 Order: the state idle the longest goes first; a state that does not fit in
-what is left of the budget is skipped for the next one. A state counts
+what is left of the budget is skipped for the next one (an idle state does
+not change, so it is measured once per idle spell). A state counts
 ``numel * element_size`` bytes per tensor moved. On a CPU device the tensors
 already live in host memory: ``tensor.to("cpu")`` returns the same tensor,
 so nothing is copied, but the accounting is the same.
@@ -32,9 +33,11 @@ from diffusion_runtime.pipelines.protocols import StepRequestState
 
 TensorMap = Callable[[torch.Tensor], torch.Tensor]
 
+_SCALAR_TYPES = (str, bytes, int, float, bool, type(None))
+
 #: Values never walked into, besides callables (modules, functions, classes: shared
 #: weights and code): scalars and generators.
-_OPAQUE = (str, bytes, int, float, bool, torch.Generator)
+_OPAQUE = (*_SCALAR_TYPES, torch.Generator)
 
 #: The fields of a state that hold its tensors (``request`` holds the generator).
 _TENSOR_FIELDS = ("latents", "timesteps", "scheduler", "conditioning")
@@ -58,6 +61,8 @@ class StateOffloader:
         # Request ids by when they last ran, least recently first.
         self._last_ran: dict[str, None] = {}
         self._offloaded: dict[str, _Offloaded] = {}
+        # Device bytes of idle states not offloaded (they did not fit).
+        self._idle_bytes: dict[str, int] = {}
 
     @property
     def offloaded_bytes(self) -> int:
@@ -77,6 +82,7 @@ class StateOffloader:
         for request_id in running:
             self._last_ran.pop(request_id, None)
             self._last_ran[request_id] = None
+            self._idle_bytes.pop(request_id, None)
             entry = self._offloaded.pop(request_id, None)
             if entry is not None:
                 self._restore(states[request_id], entry)
@@ -86,10 +92,13 @@ class StateOffloader:
             state = states.get(request_id)
             if state is None or request_id in running_ids or request_id in self._offloaded:
                 continue
-            entry = self._offload(state, room)
-            if entry is not None:
-                self._offloaded[request_id] = entry
-                room -= entry.num_bytes
+            # An idle state does not change: it is measured once per idle spell.
+            num_bytes = self._idle_bytes.get(request_id)
+            if num_bytes is None:
+                num_bytes = self._idle_bytes[request_id] = self._device_bytes(state)
+            if num_bytes <= room:
+                self._offloaded[request_id] = self._offload(state, num_bytes)
+                room -= num_bytes
                 moved = True
         return moved
 
@@ -97,25 +106,29 @@ class StateOffloader:
         """Drop what is kept for these requests (their states were released)."""
         for request_id in request_ids:
             self._last_ran.pop(request_id, None)
+            self._idle_bytes.pop(request_id, None)
             self._offloaded.pop(request_id, None)
 
-    def _offload(self, state: StepRequestState, room: int) -> _Offloaded | None:
-        on_device: list[torch.Tensor] = []
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == self.device.type
 
-        def collect(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.device.type == self.device.type:
-                on_device.append(tensor)
+    def _device_bytes(self, state: StepRequestState) -> int:
+        num_bytes = 0
+
+        def count(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal num_bytes
+            if self._on_device(tensor):
+                num_bytes += tensor.nbytes
             return tensor
 
-        map_state_tensors(state, collect)
-        num_bytes = sum(tensor.nbytes for tensor in on_device)
-        if num_bytes > room:
-            return None
-        moved = {id(tensor) for tensor in on_device}
+        map_state_tensors(state, count)
+        return num_bytes
+
+    def _offload(self, state: StepRequestState, num_bytes: int) -> _Offloaded:
         copies: list[torch.Tensor] = []
 
         def to_host(tensor: torch.Tensor) -> torch.Tensor:
-            if id(tensor) not in moved:
+            if not self._on_device(tensor):
                 return tensor
             copies.append(self._host_copy(tensor))
             return copies[-1]
@@ -168,9 +181,9 @@ class _TensorWalk:
     def map(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return self._tensor(value)
-        if value is None or isinstance(value, _OPAQUE) or callable(value):
+        if isinstance(value, _OPAQUE) or callable(value):
             return value
-        if id(value) in self.visited:
+        if id(value) in self.visited or _only_scalars(value):
             return value
         self.visited.add(id(value))
         if isinstance(value, (list, dict)):
@@ -204,3 +217,8 @@ class _TensorWalk:
         if mapped is not item:
             # object.__setattr__ also works for frozen and slotted classes.
             object.__setattr__(owner, name, mapped)
+
+
+def _only_scalars(value: Any) -> bool:
+    """A list or tuple of scalars (a schedule, timesteps): nothing to walk, checked fast."""
+    return isinstance(value, (list, tuple)) and all(type(item) in _SCALAR_TYPES for item in value)
