@@ -309,6 +309,7 @@ BENCHMARKS = {
     "http": "diffusion_runtime.bench.http:run",
     "ray": "diffusion_runtime.bench.ray:run",
     "slo": "diffusion_runtime.bench.slo:run",
+    "offload": "diffusion_runtime.bench.offload:run",
 }
 
 

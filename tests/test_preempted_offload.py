@@ -283,3 +283,17 @@ def test_a_diffusers_multistep_state_continues_unchanged_after_its_tensors_are_r
             (model_output,) = adapter.denoise_step([state])
             adapter.step_scheduler(state, model_output)
     assert torch.equal(adapter.post_decode(states[0]), adapter.post_decode(states[1]))
+
+
+def test_the_offload_benchmark_reports_its_ratios_at_a_tiny_size() -> None:
+    from diffusion_runtime.bench.offload import run
+
+    results = run(requests=2, low_steps=5, high_steps=2, repeats=1)
+    assert results["images_identical"]
+    assert results["offloaded_while_preempted"] == {
+        "off": 0,
+        "off_twin": 0,
+        "none_fit": 0,
+        "all_fit": 2,
+    }
+    assert all(results[f"{name}_step_time_vs_off"] > 0 for name in ("none_fit", "all_fit"))
