@@ -61,7 +61,7 @@ class StateOffloader:
         # Request ids by when they last ran, least recently first.
         self._last_ran: dict[str, None] = {}
         self._offloaded: dict[str, _Offloaded] = {}
-        # Device bytes of idle states not offloaded (they did not fit).
+        # Device bytes of idle states, measured once per idle spell.
         self._idle_bytes: dict[str, int] = {}
 
     @property
