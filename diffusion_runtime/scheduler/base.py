@@ -238,6 +238,8 @@ class BaseScheduler(abc.ABC):
         """
         if not self.policy.reorders:
             return [], self.next_wave()
+        if not self.waiting:  # the running set shares one key: nothing could replace it
+            return [], []
 
         def rank(request: Request) -> tuple[Any, ...]:
             return self.effective_rank(request, now)
