@@ -84,6 +84,8 @@ REQUIRED_REACH = {
         "path: a preempted request completed as the oracle": 5,
         "path: abort of a preempted request": 5,
         "path: close with a preempted request": 3,
+        "path: a preempted state in host memory": 150,
+        "path: resumed from host memory": 1,
     },
     "deadline-slo-drop": {
         "path: dropped at its deadline": 20,

@@ -119,6 +119,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self._rpc_calls = 0
         self.seed_checks = 0
         self._next_id = 0
+        #: States in host memory at the last check (``preempted_offload_bytes``).
+        self._offloaded: frozenset[str] = frozenset()
         self.core.machine.subscribe(self._record)
         self._trace_writer: JsonlTraceWriter | None = None
         if self.trace_path is not None:
@@ -340,6 +342,11 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             # Only a state that sat out the last step may be in host memory.
             idle = snapshot.runner_cached_ids - snapshot.running_ids
             assert snapshot.runner_offloaded_ids <= idle, snapshot
+            if snapshot.runner_offloaded_ids:
+                self.reach.note("path: a preempted state in host memory")
+            if self._offloaded & snapshot.running_ids:
+                self.reach.note("path: resumed from host memory")
+            self._offloaded = snapshot.runner_offloaded_ids
         pipeline_held = set(self._pipeline_held()) & finished
         assert not pipeline_held, f"the pipeline holds finished requests {sorted(pipeline_held)}"
 

@@ -7,12 +7,14 @@ says which check does.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any, cast
 
 from diffusion_runtime.contracts import SchedulerOutput
 from diffusion_runtime.fsm import LifecycleEvent, RequestStatus, Trigger
-from diffusion_runtime.pipelines.protocols import StepPipeline
+from diffusion_runtime.pipelines.protocols import StepPipeline, StepRequestState
 from diffusion_runtime.runner.model_runner import ModelRunner
+from diffusion_runtime.runner.state_offload import StateOffloader
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.step_scheduler import StepScheduler
@@ -101,6 +103,31 @@ def preempted_end_not_released() -> Patch:
     return _replace(BaseScheduler, "_on_terminal", make)
 
 
+def offload_outlives_release() -> Patch:
+    def make(original: Any) -> Any:
+        def forget(self: StateOffloader, request_ids: Iterable[str]) -> None:
+            for request_id in request_ids:
+                self._last_ran.pop(request_id, None)
+                self._idle_bytes.pop(request_id, None)
+                # "its host copies go when it is restored"
+
+        return forget
+
+    return _replace(StateOffloader, "forget", make)
+
+
+def restore_keeps_the_offload_entry() -> Patch:
+    def make(original: Any) -> Any:
+        def restore(self: StateOffloader, state: StepRequestState, entry: Any) -> None:
+            original(self, state, entry)
+            # "keep the host copy: the next preemption can reuse it"
+            self._offloaded[state.request.request_id] = entry
+
+        return restore
+
+    return _replace(StateOffloader, "_restore", make)
+
+
 #: ``(name, bug, mode, target, patch)``, run by the preemptive core harness.
 PREEMPTION_MUTATIONS: tuple[MutationSpec, ...] = (
     ("resume-starts-over", "a resumed request is sent as a new one and starts over", "step",
@@ -113,4 +140,8 @@ PREEMPTION_MUTATIONS: tuple[MutationSpec, ...] = (
      "preempt", preempted_runs_in_the_wave),
     ("preempted-end-leaks-state", "a request ending while preempted keeps its runner state",
      "step", "preempt", preempted_end_not_released),
+    ("offload-outlives-release", "an offloaded state's host copy outlives its request",
+     "step", "preempt", offload_outlives_release),
+    ("restore-keeps-offload-entry", "a restored state still counts as in host memory",
+     "step", "preempt", restore_keeps_the_offload_entry),
 )  # fmt: skip
