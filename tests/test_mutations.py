@@ -85,7 +85,6 @@ REQUIRED_REACH = {
         "path: abort of a preempted request": 5,
         "path: close with a preempted request": 3,
         "path: a preempted state in host memory": 150,
-        "path: resumed from host memory": 1,
     },
     "deadline-slo-drop": {
         "path: dropped at its deadline": 20,

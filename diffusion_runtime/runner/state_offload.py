@@ -63,6 +63,8 @@ class StateOffloader:
         self._offloaded: dict[str, _Offloaded] = {}
         # Device bytes of idle states, measured once per idle spell.
         self._idle_bytes: dict[str, int] = {}
+        #: How many states have come back from host memory so far.
+        self.restores = 0
 
     @property
     def offloaded_bytes(self) -> int:
@@ -86,6 +88,7 @@ class StateOffloader:
             entry = self._offloaded.pop(request_id, None)
             if entry is not None:
                 self._restore(states[request_id], entry)
+                self.restores += 1
                 moved = True
         room = self.budget_bytes - self.offloaded_bytes
         for request_id in self._last_ran:

@@ -119,8 +119,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self._rpc_calls = 0
         self.seed_checks = 0
         self._next_id = 0
-        #: States in host memory at the last check (``preempted_offload_bytes``).
-        self._offloaded: frozenset[str] = frozenset()
+        #: States brought back from host memory so far (``preempted_offload_bytes``).
+        self._restores = 0
         self.core.machine.subscribe(self._record)
         self._trace_writer: JsonlTraceWriter | None = None
         if self.trace_path is not None:
@@ -344,9 +344,11 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             assert snapshot.runner_offloaded_ids <= idle, snapshot
             if snapshot.runner_offloaded_ids:
                 self.reach.note("path: a preempted state in host memory")
-            if self._offloaded & snapshot.running_ids:
-                self.reach.note("path: resumed from host memory")
-            self._offloaded = snapshot.runner_offloaded_ids
+            if self.config.preempted_offload_bytes:
+                restores: int = self.core.collective_rpc("offload_restores", unique_reply_rank=0)
+                for _ in range(restores - self._restores):
+                    self.reach.note("path: resumed from host memory")
+                self._restores = restores
         pipeline_held = set(self._pipeline_held()) & finished
         assert not pipeline_held, f"the pipeline holds finished requests {sorted(pipeline_held)}"
 
