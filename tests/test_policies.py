@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from diffusion_runtime import EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.bench.slo_sim import simulate
-from diffusion_runtime.bench.slo_trace import bursty_trace
+from diffusion_runtime.bench.slo_trace import bursty_trace, poisson_trace
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.fsm import RequestMachine, RequestStatus
 from diffusion_runtime.scheduler import (
@@ -163,6 +163,34 @@ def test_slo_policy_demotes_requests_that_can_no_longer_make_it() -> None:
     rank = scheduler.policy.rank
     assert rank(tight, 0.0) < rank(loose, 0.0) < rank(hopeless, 0.0)
     assert waves(scheduler) == [["tight"], ["loose"], ["hopeless"]]
+
+
+@pytest.mark.parametrize(("running_deadline_s", "preempts"), [(0.125, False), (0.2, True)])
+def test_slo_policy_preempts_only_when_that_meets_more_deadlines(
+    running_deadline_s: float, preempts: bool
+) -> None:
+    """A request of another key with an earlier deadline preempts a running one
+    only if the running one still makes its deadline after it; if only one of
+    the two can make it, the running one keeps going (the preemption would
+    cost a step and save nothing)."""
+    scheduler = make("step", max_num_seqs=1, scheduling_policy="slo")
+    running = add(scheduler, "running", num_inference_steps=10, height=16, width=16,
+                  deadline_s=running_deadline_s)  # fmt: skip
+    clock = [0.0]
+    scheduler.clock = lambda: clock[0]
+    out = scheduler.schedule(0.0)
+    assert out is not None and out.scheduled_ids == ("running",)
+    clock[0] = 0.01
+    run_wave(scheduler, out)  # the step cost model learns 10 ms per step
+    # 3 steps by 0.055: it makes it only if it runs now (with a step to spare).
+    add(scheduler, "urgent", arrival=0.01, num_inference_steps=3, deadline_s=0.045)
+    out = scheduler.schedule(0.01)
+    assert out is not None
+    if preempts:  # the urgent one first, and the running one still makes 0.2
+        assert out.scheduled_ids == ("urgent",) and running.state is S.PREEMPTED
+    else:  # after the urgent one, the running one would end at 0.14 > 0.125
+        assert out.scheduled_ids == ("running",) and running.state is S.RUNNING
+    assert scheduler.num_preemptions == int(preempts)
 
 
 def test_step_cost_model_learns_per_key_and_batch_size() -> None:
@@ -322,6 +350,22 @@ def test_without_aging_the_same_stream_starves_the_victim() -> None:
         assert out is not None and "victim" not in out.scheduled_ids
         run_wave(scheduler, out)
     assert victim.state is S.WAITING
+
+
+@pytest.mark.parametrize("trace_kind", ["poisson", "bursty"])
+def test_the_slo_policy_is_never_below_fifo_on_a_virtual_clock(trace_kind: str) -> None:
+    """Twenty seeds of each ``bench slo`` trace, every scale: the SLO-aware policy
+    meets at least as many deadlines as FIFO, including at 1.0x, where a request
+    meets its deadline only if it never waits."""
+    for seed in range(20):
+        if trace_kind == "poisson":
+            trace = poisson_trace(32, rate_per_s=20.0, seed=seed)
+        else:
+            trace = bursty_trace(32, burst_size=8, mean_gap_s=0.4, seed=seed)
+        for scale in (1.0, 1.1, 1.2, 1.5, 2.0):
+            fifo = simulate("fifo", trace, scale, max_num_seqs=4)["attainment"]
+            slo = simulate("slo", trace, scale, max_num_seqs=4)["attainment"]
+            assert slo >= fifo, (seed, scale, slo, fifo)
 
 
 def test_the_slo_policy_meets_the_issue_targets_on_a_virtual_clock() -> None:

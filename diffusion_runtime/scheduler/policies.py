@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import ClassVar
 
+from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.pipelines.registry import import_object
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.step_cost import StepCostModel
@@ -95,8 +96,9 @@ class SloAwarePolicy(SchedulingPolicy):
     without a deadline), so an overload sacrifices the fewest requests instead
     of making every one late: plain earliest deadline first would serve the
     hopeless ones first and miss the rest too. Late requests run shortest
-    remaining work first. Between batch keys it runs the batch with the most
-    requests still on time. Preemptive in step mode.
+    remaining work first. Between batch keys it runs the batch whose running
+    first meets the most deadlines (see :meth:`choose_batch`). Preemptive in
+    step mode.
     """
 
     preemptive = True
@@ -112,15 +114,39 @@ class SloAwarePolicy(SchedulingPolicy):
         return (_ON_TIME, request.deadline, priority)
 
     def choose_batch(self, batches: Sequence[Sequence[Request]], now: float) -> int:
-        """The batch with the most requests that can still meet their deadline, then
-        the fullest: one urgent request of another key does not idle a batch of them."""
+        """The batch whose running first lets the most requests meet their deadlines.
 
-        def value(index: int) -> tuple[int, int, int]:
+        Each batch is tried first, the others following in the given order,
+        and the requests that would finish by their deadline are counted with
+        the current step estimates. On a tie the batch holding a running
+        request that can still make its deadline wins (preempting it would
+        save no deadline and may cost its own), then the fullest (one urgent
+        request of another key does not idle a batch of them), then the best
+        ranked, so among late requests the shortest runs first.
+        """
+
+        def value(index: int) -> tuple[int, bool, int, int]:
             batch = batches[index]
-            on_time = sum(self.rank(request, now)[0] == _ON_TIME for request in batch)
-            return (on_time, len(batch), -index)
+            order = [batch, *(other for i, other in enumerate(batches) if i != index)]
+            keeps_on_time = any(
+                request.state is RequestStatus.RUNNING and self.rank(request, now)[0] == _ON_TIME
+                for request in batch
+            )
+            return (self._deadlines_met(order, now), keeps_on_time, len(batch), -index)
 
         return max(range(len(batches)), key=value)
+
+    def _deadlines_met(self, order: Sequence[Sequence[Request]], now: float) -> int:
+        """How many requests meet their deadline if ``order``'s batches run one after
+        another, each from its start until its longest request is done."""
+        met, start = 0, now
+        for batch in order:
+            step_s = self.costs.seconds_per_step(batch[0].batch_key, len(batch))
+            for request in batch:
+                finish = start + (request.remaining_steps + 1) * step_s
+                met += request.deadline is not None and finish <= request.deadline
+            start += max(request.remaining_steps for request in batch) * step_s
+        return met
 
 
 BUILTIN_POLICIES: dict[str, type[SchedulingPolicy]] = {
