@@ -117,8 +117,8 @@ class SloAwarePolicy(SchedulingPolicy):
         """The batch whose running first lets the most requests meet their deadlines.
 
         Each batch is tried first, the others following in the given order,
-        and the requests that would finish by their deadline are counted with
-        the current step estimates. On a tie the batch holding a running
+        and the requests that would finish by their deadline are counted
+        (see :meth:`_deadlines_met`). On a tie the batch holding a running
         request that can still make its deadline wins (preempting it would
         save no deadline and may cost its own), then the fullest (one urgent
         request of another key does not idle a batch of them), then the best
@@ -138,10 +138,14 @@ class SloAwarePolicy(SchedulingPolicy):
 
     def _deadlines_met(self, order: Sequence[Sequence[Request]], now: float) -> int:
         """How many requests meet their deadline if ``order``'s batches run one after
-        another, each from its start until its longest request is done."""
+        another, each from its start until its longest request is done, at the
+        fastest step measured for the key and batch size (the bound :meth:`rank`
+        uses too). A request counts only with a step to spare: what the steps do
+        not measure (the step in flight when it arrived, delivering its output)
+        costs about that much."""
         met, start = 0, now
         for batch in order:
-            step_s = self.costs.seconds_per_step(batch[0].batch_key, len(batch))
+            step_s = self.costs.fastest_seconds_per_step(batch[0].batch_key, len(batch))
             for request in batch:
                 finish = start + (request.remaining_steps + 1) * step_s
                 met += request.deadline is not None and finish <= request.deadline
