@@ -419,3 +419,25 @@ def test_a_policy_class_reaches_other_processes_only_where_it_schedules() -> Non
     )
     assert shipped.scheduling_policy.__name__ == "ShortestFirst"
     assert worker_config(EngineConfig(scheduling_policy="edf")).scheduling_policy == "edf"
+
+
+def test_the_slo_benchmark_reports_attainment_and_paired_differences_at_a_tiny_size() -> None:
+    from diffusion_runtime.bench.slo import POLICIES, run
+
+    report = run(count=4, burst_size=2, solo_repeats=1, rounds=2, scales=(1.2,))
+    for trace in ("poisson", "bursty"):
+        results = report["traces"][trace]
+        assert set(results) == set(POLICIES)
+        fifo = results["fifo"]["attainment"]["1.2"]
+        for policy in POLICIES:
+            attainment = results[policy]["attainment"]["1.2"]
+            assert 0.0 <= attainment <= 1.0
+            if policy == "fifo":
+                assert results[policy]["versus_fifo"] == {}
+                continue
+            # Every round serves the same trace, so the mean of the differences is
+            # the difference of the attainments.
+            versus = results[policy]["versus_fifo"]["1.2"]
+            assert versus["difference"] == pytest.approx(attainment - fifo, abs=1e-3)
+            assert versus["stderr"] >= 0.0
+        assert set(report["simulated"][trace]["slo"]) == {"1.2"}
