@@ -197,7 +197,7 @@ def run(
     burst_size: int = 8,
     burst_gap_s: float = 0.4,
     max_num_seqs: int = 4,
-    solo_repeats: int = 2,
+    solo_repeats: int = 5,
     rounds: int = 4,
     seed: int = 0,
     scales: tuple[float, ...] = SCALES,

@@ -312,11 +312,7 @@ class BaseScheduler(abc.ABC):
         schedule = self.machine.fire
         for request in (*resumed, *new):
             schedule(request, Trigger.SCHEDULE, wave_id=wave_id)
-        first = new[0] if new else self.requests.get(cached_ids[0]) if cached_ids else None
-        if first is not None:
-            steps = first.params.num_inference_steps if self.execution_mode == "request" else 1
-            size = len(new) + len(cached_ids)
-            self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, self.clock())
+        self._time_wave(wave_id, new, cached_ids)
         finished_ids = tuple(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(
@@ -329,6 +325,21 @@ class BaseScheduler(abc.ABC):
             num_running=len(self.running),
             num_waiting=len(self.waiting),
         )
+
+    def _time_wave(self, wave_id: int, new: list[Request], cached_ids: tuple[str, ...]) -> None:
+        """Start timing the wave for the step cost model. In step mode only a wave of
+        requests that all ran before is timed: one that starts requests also builds
+        their states (several ordinary steps' worth on digits), and its time taught
+        the model a step far slower than the ones that follow."""
+        if self.keeps_runner_state:
+            first = None if new or not cached_ids else self.requests.get(cached_ids[0])
+            steps = 1
+        else:
+            first = new[0] if new else None
+            steps = 0 if first is None else first.params.num_inference_steps
+        if first is not None:
+            size = len(new) + len(cached_ids)
+            self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, self.clock())
 
     def record_wave_cost(self, output: SchedulerOutput) -> None:
         """Feed the time ``output`` took to run (from its scheduling to now) to the

@@ -140,14 +140,12 @@ class SloAwarePolicy(SchedulingPolicy):
         """How many requests meet their deadline if ``order``'s batches run one after
         another, each from its start until its longest request is done, at the
         fastest step measured for the key and batch size (the bound :meth:`rank`
-        uses too). A request counts only with a step to spare: what the steps do
-        not measure (the step in flight when it arrived, delivering its output)
-        costs about that much."""
+        uses too)."""
         met, start = 0, now
         for batch in order:
             step_s = self.costs.fastest_seconds_per_step(batch[0].batch_key, len(batch))
             for request in batch:
-                finish = start + (request.remaining_steps + 1) * step_s
+                finish = start + request.remaining_steps * step_s
                 met += request.deadline is not None and finish <= request.deadline
             start += max(request.remaining_steps for request in batch) * step_s
         return met
