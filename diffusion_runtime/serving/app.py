@@ -80,7 +80,12 @@ def build_app(
             metrics.detach()
 
     version = package_version()
-    app = FastAPI(title="diffusion-runtime", version=version, lifespan=lifespan)
+    app = FastAPI(
+        title="diffusion-runtime",
+        version=version,
+        lifespan=lifespan,
+        telemetry={"tracing": False, "metrics": False, "logs": False},
+    )
     app.state.metrics = metrics
     app.state.generation = generation
     install_error_handlers(app)
