@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TypeVar
+from collections.abc import Callable
 
 from starlette.types import Receive
-
-T = TypeVar("T")
-
-
-class ClientDisconnected(Exception):
-    """The client closed the connection before its answer was ready."""
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
@@ -20,18 +14,34 @@ async def wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-async def unless_disconnected(receive: Receive, result: asyncio.Future[T]) -> T:
-    """``result``'s value; :class:`ClientDisconnected` if the client disconnects first.
+class DisconnectWatch:
+    """Calls ``on_disconnect`` once if the client disconnects before :meth:`close`.
 
     One watcher task per exchange and nothing else: this runs for every
-    request, on the event loop that also serves every other client.
+    request, on the event loop that also serves every other client. The
+    handler reads its result meanwhile; ``on_disconnect`` (an abort) makes
+    that result come early.
     """
-    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-    try:
-        await asyncio.wait((watcher, result), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if result.done():
-        return result.result()
-    watcher.result()  # its own error, if receiving failed
-    raise ClientDisconnected
+
+    def __init__(self, receive: Receive, on_disconnect: Callable[[], None]) -> None:
+        #: Whether the client left (or receiving from it failed) before :meth:`close`.
+        self.disconnected = False
+        self._closed = False
+        self._on_disconnect = on_disconnect
+        self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        try:
+            await wait_for_disconnect(receive)
+        finally:
+            if not self._closed:  # no answer can reach the client now
+                self.disconnected = True
+                self._on_disconnect()
+
+    def close(self) -> None:
+        """Stop watching; raise the watcher's own error if receiving failed."""
+        self._closed = True
+        if not self._watcher.done():
+            self._watcher.cancel()
+        elif not self._watcher.cancelled():
+            self._watcher.result()

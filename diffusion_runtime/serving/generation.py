@@ -8,7 +8,6 @@ from typing import Any
 
 import anyio.to_thread
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from diffusion_runtime.engine import DiffusionEngine
@@ -18,7 +17,7 @@ from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.serving.admission import ClientLimiter
 from diffusion_runtime.serving.config import ServerConfig
-from diffusion_runtime.serving.disconnect import ClientDisconnected, unless_disconnected
+from diffusion_runtime.serving.disconnect import DisconnectWatch
 from diffusion_runtime.serving.errors import APIError, bad_field, engine_error
 from diffusion_runtime.serving.event_stream import KEEPALIVE, EventStreamResponse, sse_event
 from diffusion_runtime.serving.http_metrics import HttpMetrics
@@ -66,31 +65,28 @@ class ImageGeneration:
                 "response_format", "response_format: a stream sends its images inline (b64_json)"
             )
         client = body.user or (request.client.host if request.client else "unknown")
-        outputs = await self._admit(body.prompt, params, client, bool(body.stream))
         if body.stream:
-            return EventStreamResponse(
-                self._events(outputs, params), on_close=lambda: self._end(outputs, client)
-            )
+            return await self._stream(body.prompt, params, client)
+        request_id = await self._admit(body.prompt, params, client)
         try:
-            final = await unless_disconnected(request.receive, outputs.final)
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+            final = await self._final_output(request_id, request)
         except DiffusionRuntimeError as exc:
             raise engine_error(exc, self.config.retry_after_s) from None
         finally:
-            self._end(outputs, client)
+            self.limiter.release(client)
+        if final is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return await self._answer(final, params, body.response_format or "b64_json", request)
 
-    async def _admit(
-        self, prompt: str, params: SamplingParams, client: str, streaming: bool
-    ) -> RequestOutputs:
+    async def _admit(self, prompt: str, params: SamplingParams, client: str) -> str:
+        """Take a slot of ``client``'s and admit the request; its id."""
         try:
             self.limiter.acquire(client)
         except APIError:
             self.http_metrics.refused.labels("client_limit").inc()
             raise
         try:
-            return await RequestOutputs.admit(self.engine, prompt, params, self.readers, streaming)
+            return await self.engine.add_request(prompt, params)
         except DiffusionRuntimeError as exc:
             self.limiter.release(client)
             if isinstance(exc, QueueFullError):
@@ -100,12 +96,36 @@ class ImageGeneration:
             self.limiter.release(client)
             raise
 
-    def _end(self, outputs: RequestOutputs, client: str) -> None:
-        """The exchange is over: free the client's slot; abort the request if it still runs."""
-        self.limiter.release(client)
-        if not outputs.finished:
+    async def _final_output(self, request_id: str, request: Request) -> RequestOutput | None:
+        """The request's final output, read on the handler's own task; ``None`` if the
+        client disconnected first (the request is then aborted)."""
+
+        def abandon() -> None:
             self.http_metrics.disconnects.inc()
-            outputs.abandon("the HTTP client disconnected")
+            self.engine.abort(request_id, "the HTTP client disconnected")
+
+        final = None
+        watch = DisconnectWatch(request.receive, abandon)
+        try:
+            async for output in self.engine.stream(request_id):
+                final = output
+        finally:
+            watch.close()
+        return None if watch.disconnected else final
+
+    async def _stream(self, prompt: str, params: SamplingParams, client: str) -> Response:
+        """Admit a streaming request and answer with its events."""
+        request_id = await self._admit(prompt, params, client)
+        outputs = RequestOutputs(self.engine, request_id, self.readers)
+
+        def end() -> None:
+            """The stream is over: free the client's slot; abort the request if it still runs."""
+            self.limiter.release(client)
+            if not outputs.finished:
+                self.http_metrics.disconnects.inc()
+                outputs.abandon("the HTTP client disconnected")
+
+        return EventStreamResponse(self._events(outputs, params), on_close=end)
 
     def _accept_final(self, final: RequestOutput, params: SamplingParams) -> None:
         """Count a completed request's steps; raise the API's error for any other ending."""
@@ -129,7 +149,7 @@ class ImageGeneration:
 
     async def _answer(
         self, final: RequestOutput, params: SamplingParams, response_format: str, request: Request
-    ) -> JSONResponse:
+    ) -> Response:
         self._accept_final(final, params)
         pngs = await encode(final)
         if response_format == "url":
@@ -142,7 +162,7 @@ class ImageGeneration:
         response = ImagesResponse(
             created=int(time.time()), data=data, size=size_of(final.image_batch), seed=final.seed
         )
-        return JSONResponse(response.model_dump(exclude_none=True))
+        return Response(response.model_dump_json(exclude_none=True), media_type="application/json")
 
     async def _events(
         self, outputs: RequestOutputs, params: SamplingParams

@@ -1,4 +1,4 @@
-"""One admitted request's outputs, read by a task that owns the engine's stream."""
+"""A streaming request's outputs, read by a task that owns the engine's stream."""
 
 from __future__ import annotations
 
@@ -11,74 +11,49 @@ from diffusion_runtime.sampling_params import SamplingParams
 
 
 class RequestOutputs:
-    """The outputs of one admitted request, read from the engine by a task of its own.
+    """The outputs of one admitted streaming request, read from the engine by a task of its own.
 
     The reader starts at admission and reads the engine's stream to the final
     output whatever happens to the HTTP exchange, so the stream is always
-    claimed and freed. :meth:`abandon` aborts the request when nobody wants
-    its result any more; the reader then receives the aborted final output.
-    A streaming consumer reads every output with :meth:`next`; any other
-    awaits :attr:`final` alone (intermediate outputs are not kept for it).
+    claimed and freed. The consumer (the event stream) reads every output
+    with :meth:`next`; :meth:`abandon` aborts the request when nobody wants
+    its outputs any more, and the reader then receives the aborted final output.
     """
 
-    def __init__(
-        self, engine: DiffusionEngine, request_id: str, owner: OutputReaders, streaming: bool
-    ) -> None:
+    def __init__(self, engine: DiffusionEngine, request_id: str, owner: OutputReaders) -> None:
         self.request_id = request_id
         self._read_final = False
-        loop = asyncio.get_running_loop()
-        #: The final output (or the engine's end as its error), for a non-streaming consumer.
-        self.final: asyncio.Future[RequestOutput] = loop.create_future()
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] | None = (
-            asyncio.Queue() if streaming else None
-        )
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._owner = owner
-        self.reader = loop.create_task(self._read())
+        self.reader = asyncio.get_running_loop().create_task(self._read())
         owner.add(self)
 
     @classmethod
     async def admit(
-        cls,
-        engine: DiffusionEngine,
-        prompt: Any,
-        params: SamplingParams,
-        owner: OutputReaders,
-        streaming: bool = False,
+        cls, engine: DiffusionEngine, prompt: Any, params: SamplingParams, owner: OutputReaders
     ) -> RequestOutputs:
         """Admit a request (raising as ``add_request`` does) and start reading its outputs."""
         request_id = await engine.add_request(prompt, params)
-        return cls(engine, request_id, owner, streaming)
+        return cls(engine, request_id, owner)
 
     async def _read(self) -> None:
         queue = self._queue
         try:
             async for output in self._engine.stream(self.request_id):
-                if queue is not None:
-                    queue.put_nowait(output)
-                elif output.finished:
-                    self.final.set_result(output)
+                queue.put_nowait(output)
         except Exception as exc:  # the engine closed or died: the consumer re-raises it
-            if queue is not None:
-                queue.put_nowait(exc)
-            else:
-                self.final.set_exception(exc)
-                # Marked as seen: a consumer that left first never awaits it, and
-                # asyncio would log the error as lost; one that awaits still gets it.
-                self.final.exception()
+            queue.put_nowait(exc)
         finally:
             self._owner.discard(self)
 
     @property
     def finished(self) -> bool:
-        """Whether the request has ended: its final output (or the engine's end) has
-        been read by a streaming consumer, or has come for a non-streaming one."""
-        return self._read_final if self._queue is not None else self.final.done()
+        """Whether the consumer has read the final output (or the engine's end)."""
+        return self._read_final
 
     async def next(self, timeout: float | None = None) -> RequestOutput | None:
-        """The next output of a streaming consumer, or ``None`` if none came within
-        ``timeout`` seconds."""
-        assert self._queue is not None, "next() reads a streaming request's outputs"
+        """The next output, or ``None`` if none came within ``timeout`` seconds."""
         try:
             item = await asyncio.wait_for(self._queue.get(), timeout)
         except asyncio.TimeoutError:
@@ -96,7 +71,7 @@ class RequestOutputs:
 
 
 class OutputReaders:
-    """The reader tasks of one server's requests; :meth:`aclose` ends them all."""
+    """The reader tasks of one server's streaming requests; :meth:`aclose` ends them all."""
 
     def __init__(self) -> None:
         self._active: set[RequestOutputs] = set()

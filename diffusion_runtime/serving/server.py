@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -75,7 +76,11 @@ def serve(
                 served_model_name(engine, server_config),
                 url_of(sock),
             )
-            with _sigterm_as_interrupt(), contextlib.suppress(KeyboardInterrupt):
+            with (
+                _sigterm_as_interrupt(),
+                _startup_objects_frozen(),
+                contextlib.suppress(KeyboardInterrupt),
+            ):
                 # uvicorn shuts down gracefully, then raises the signal again.
                 uvicorn.Server(config).run(sockets=[sock])
 
@@ -92,6 +97,22 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _startup_objects_frozen() -> Iterator[None]:
+    """Keep the garbage collector's full collections off what start-up built.
+
+    The modules, the model and the app live as long as the server; walking
+    them in a full collection stopped the event loop for about 60 ms under
+    load (the p99 of ``bench http``). Frozen, a full collection walks only
+    what was made since.
+    """
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class ServerThread:
