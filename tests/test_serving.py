@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
@@ -31,6 +32,7 @@ from diffusion_runtime.bench.lean_http import LeanConnection
 from diffusion_runtime.pipelines.digits import DigitClassifier
 from diffusion_runtime.serving import EngineMetrics, ServerConfig, ServerThread, build_app
 from diffusion_runtime.serving.images import ImageStore
+from diffusion_runtime.serving.png import encode_png
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline
 
 GENERATIONS = "/v1/images/generations"
@@ -236,6 +238,21 @@ def test_a_body_that_is_not_json_gets_a_400(digits: Served) -> None:
     )
     assert answer.status_code == 400
     assert answer.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_body_not_sent_as_json_gets_a_400_naming_the_body(digits: Served) -> None:
+    answer = digits.http.post(
+        GENERATIONS, content=b'{"prompt": "1"}', headers={"content-type": "text/plain"}
+    )
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "body"
+    assert "JSON" in answer.json()["error"]["message"]
+    vendor_json = digits.http.post(
+        GENERATIONS,
+        content=json.dumps({"prompt": "1", "num_inference_steps": FEW_STEPS}).encode(),
+        headers={"content-type": "application/vnd.example+json; charset=utf-8"},
+    )
+    assert vendor_json.status_code == 200, vendor_json.text
 
 
 def test_an_oversized_body_gets_a_413(digits: Served) -> None:
@@ -452,6 +469,19 @@ def test_the_image_store_forgets_the_oldest_and_the_expired() -> None:
     assert [store.get(name) for name in names] == [None, b"\x01", b"\x02"]
     expiring = ImageStore(capacity=2, ttl_s=0)
     assert expiring.get(expiring.put(b"png")) is None
+
+
+@pytest.mark.parametrize("shape", [(8, 8, 1), (5, 7, 3), (33, 2, 4), (1, 1, 1)])
+def test_png_encoding_round_trips_through_pillow(shape: tuple[int, int, int]) -> None:
+    pixels = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+    image = Image.open(io.BytesIO(encode_png(pixels)))
+    assert image.format == "PNG"
+    assert image.mode == {1: "L", 3: "RGB", 4: "RGBA"}[shape[2]]
+    assert (np.asarray(image).reshape(shape) == pixels).all()
+    with pytest.raises(ValueError, match="2-channel"):
+        encode_png(np.zeros((2, 2, 2), dtype=np.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        encode_png(pixels.astype(np.float32))
 
 
 def test_server_config_names_the_field_it_refuses() -> None:

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
@@ -99,15 +99,19 @@ def build_app(
     )
     app.add_middleware(ResponseCounter, metrics=http_metrics)
 
-    # The hot path: its body is validated without FastAPI's dependency resolution.
-    images = APIRouter(route_class=JsonBodyRoute)
-
-    @images.post("/v1/images/generations", response_model=ImagesResponse, responses=ERROR_RESPONSES)
     async def create_images(body: ImageGenerationRequest, request: Request) -> Response:
         """Generate images (OpenAI's schema plus extensions; ``stream`` for progress events)."""
         return await generation.handle(body, request)
 
-    app.include_router(images)
+    # The hot path: its body is validated without FastAPI's dependency resolution.
+    app.router.add_api_route(
+        "/v1/images/generations",
+        create_images,
+        methods=["POST"],
+        response_model=ImagesResponse,
+        responses=ERROR_RESPONSES,
+        route_class_override=JsonBodyRoute,
+    )
 
     @app.get("/v1/images/files/{name}.png", name="image_file", responses=ERROR_RESPONSES)
     async def image_file(name: str) -> Response:

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import base64
-import io
 import secrets
 import time
 from collections import OrderedDict
 
 import numpy as np
 import torch
-from PIL import Image
 
 from diffusion_runtime.outputs import RequestOutput
-
-_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
+from diffusion_runtime.serving.png import encode_png
 
 #: Outputs up to this many values are encoded on the event loop: a thread hop costs more.
 INLINE_ENCODE_MAX_VALUES = 65_536
@@ -37,16 +34,7 @@ def png_images(output: RequestOutput) -> list[bytes]:
         return []
     pixels = np.clip(output.image_batch.numpy(), 0.0, 1.0) * 255
     batch = pixels.round().astype(np.uint8).transpose(0, 2, 3, 1)
-    encoded = []
-    for array in batch:
-        channels = array.shape[2]
-        if channels not in _MODES:
-            raise ValueError(f"cannot encode a {channels}-channel image as PNG")
-        image = Image.fromarray(array[:, :, 0] if channels == 1 else array, mode=_MODES[channels])
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        encoded.append(buffer.getvalue())
-    return encoded
+    return [encode_png(image) for image in batch]
 
 
 def b64(data: bytes) -> str:
