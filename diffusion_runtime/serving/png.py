@@ -1,12 +1,15 @@
-"""PNG encoding of 8-bit pixel arrays in a few microseconds.
+"""PNG encoding of 8-bit pixel arrays, in microseconds for small images.
 
 A server answers each image request with a PNG on the event loop that
 serves every client. For the small images of a fast model, Pillow's
-``Image.save`` spent about 50 µs per image there (most of it in its
-plugin machinery around the compressor), on the path between one wave's
-answers and the next wave's requests; this writer, the three chunks a PNG
-needs around one ``zlib.compress`` call, spends about 8. Pillow reads what
-it writes (the tests decode every served image with it).
+``Image.save`` took about 50 µs per 8x8 image on that loop (19 µs in a
+tight loop; most of it in the machinery around its compressor), on the
+path between one wave's answers and the next wave's requests. This writer
+is the three chunks a PNG needs around one ``zlib.compress`` call, with
+every scanline filtered by its difference from the one above (PNG's "Up"
+filter, one numpy subtraction): 7 µs for 8x8 in a tight loop; for a smooth
+512x512 RGB image, 0.8x Pillow's size in a third of its time. Pillow
+reads what it writes (the tests decode every served image with it).
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import zlib
 import numpy as np
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+#: The scanline filter type whose byte is each sample minus the one above it.
+UP_FILTER = 2
 
 #: PNG colour types by channel count: grayscale, RGB, RGBA (8 bits per sample).
 COLOUR_TYPES = {1: 0, 3: 2, 4: 6}
@@ -29,9 +35,13 @@ def encode_png(pixels: np.ndarray) -> bytes:
     height, width, channels = pixels.shape
     if channels not in COLOUR_TYPES:
         raise ValueError(f"cannot encode a {channels}-channel image as PNG")
-    # Each scanline starts with its filter type: 0, none.
-    scanlines = np.zeros((height, 1 + width * channels), dtype=np.uint8)
-    scanlines[:, 1:] = pixels.reshape(height, width * channels)
+    rows = pixels.reshape(height, width * channels)
+    # Each scanline starts with its filter type: 2, "Up" (the difference from the row
+    # above, modulo 256, which uint8 subtraction gives; the first row's is itself).
+    scanlines = np.empty((height, 1 + width * channels), dtype=np.uint8)
+    scanlines[:, 0] = UP_FILTER
+    scanlines[0, 1:] = rows[0]
+    np.subtract(rows[1:], rows[:-1], out=scanlines[1:, 1:])
     header = struct.pack(">IIBBBBB", width, height, 8, COLOUR_TYPES[channels], 0, 0, 0)
     return b"".join(
         (
