@@ -21,8 +21,8 @@ class JsonBodyRoute(APIRoute):
 
     FastAPI documents it as usual (the body's schema, the responses), but
     each request skips FastAPI's dependency resolution: the body is checked
-    to be JSON and validated with ``Model.model_validate_json``, which costs
-    a fraction of it (about 20 µs of the event loop's time instead of 55).
+    to be JSON and validated with ``Model.model_validate_json``: a request
+    through the server's whole app took 30 µs instead of 58, measured alone.
     A body that breaks the model raises :class:`RequestValidationError` with
     the locations FastAPI gives them (``("body", field, ...)``), so the app's
     error handlers answer it as they would FastAPI's own.
