@@ -459,10 +459,13 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 raise
 
     def _run_until_idle(self) -> None:
+        """Step until nothing is left, checking after each step what the engine
+        holds (as after every rule): a teardown's steps are checked too."""
         for _ in range(self.max_steps_to_idle):
             if self.dead or not self.core.has_unfinished():
                 return
             self._step()
+            self.nothing_is_held_for_finished_requests()
         raise AssertionError(f"the engine still had work after {self.max_steps_to_idle} steps")
 
     def _take(self, outputs: list[RequestOutput]) -> None:
