@@ -57,6 +57,7 @@ FAST_SUBSET = {
     "preemption-frees-state",
     "preempted-in-wave",
     "preempted-end-leaks-state",
+    "restore-keeps-offload-entry",
     "deadline-drops-running",
     "preempted-deadline-forgotten",
     "stage-exit-skips-core-shutdown",
@@ -85,6 +86,7 @@ REQUIRED_REACH = {
         "path: abort of a preempted request": 5,
         "path: close with a preempted request": 3,
         "path: a preempted state in host memory": 150,
+        "path: resumed from host memory": 5,
     },
     "deadline-slo-drop": {
         "path: dropped at its deadline": 20,
