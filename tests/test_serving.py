@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -24,15 +25,19 @@ import openai
 import pytest
 import torch
 from conftest import engine_threads, factory_of
+from fastapi import Depends, FastAPI, Request
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.responses import Response
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.bench.lean_http import LeanConnection
 from diffusion_runtime.pipelines.digits import DigitClassifier
 from diffusion_runtime.serving import EngineMetrics, ServerConfig, ServerThread, build_app
 from diffusion_runtime.serving.images import ImageStore
+from diffusion_runtime.serving.json_body_route import JsonBodyRoute
 from diffusion_runtime.serving.png import encode_png
+from diffusion_runtime.serving.schema import ImageGenerationRequest
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline
 
 GENERATIONS = "/v1/images/generations"
@@ -389,6 +394,66 @@ def test_a_client_over_its_limit_gets_a_429_others_do_not() -> None:
         assert served.http.post(GENERATIONS, json={"prompt": "4", "user": "alice"}).is_success
 
 
+def test_a_client_that_leaves_frees_its_slot_before_the_abort_lands() -> None:
+    """The engine is paused, so the abort cannot take effect yet: the client's slot
+    is given back when it leaves all the same, and its retry is admitted."""
+    config = EngineConfig(pipeline="digits", device="cpu")
+    with serving(config, ServerConfig(per_client_limit=1)) as served:
+        served.engine.pause()
+        retry = None
+        try:
+            first = served.open_request({"prompt": "1", "user": "alice"})
+            wait_until(lambda: served.engine.queue_length == 1)
+            first.close()
+            wait_until(lambda: served.metric("diffusion_http_client_disconnects_total") == 1)
+            retry = served.open_request({"prompt": "2", "user": "alice"})
+            wait_until(lambda: served.engine.queue_length == 2)
+            assert served.metric("diffusion_http_refused_total", reason="client_limit") == 0
+        finally:
+            if retry is not None:
+                retry.close()
+            served.engine.resume()
+        wait_until(lambda: served.metric("diffusion_requests_total", status="aborted") == 2)
+        wait_until(lambda: held_nothing(served.engine))
+        assert served.metric("diffusion_http_client_disconnects_total") == 2
+
+
+def test_a_client_that_leaves_during_its_body_is_not_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with serving(EngineConfig(pipeline="digits", device="cpu")) as served:
+        address = urlsplit(served.server.url)
+        assert address.hostname is not None and address.port is not None
+        with socket.create_connection((address.hostname, address.port)) as sock:
+            head = (
+                f"POST {GENERATIONS} HTTP/1.1\r\nHost: test\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            )
+            sock.sendall(head.encode() + b'{"prompt": ')
+        answered = {"route": GENERATIONS, "code": "499"}
+        wait_until(lambda: served.metric("diffusion_http_responses_total", **answered) == 1)
+        assert served.http.post(GENERATIONS, json={"prompt": "3"}).is_success
+        assert held_nothing(served.engine)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_an_image_route_refuses_dependencies_and_other_signatures() -> None:
+    async def endpoint(body: ImageGenerationRequest, request: Request) -> Response:
+        raise AssertionError("never called")
+
+    async def three(body: ImageGenerationRequest, request: Request, extra: int) -> Response:
+        raise AssertionError("never called")
+
+    app = FastAPI()
+    with pytest.raises(TypeError, match="runs no dependencies"):
+        app.router.add_api_route(
+            "/d", endpoint, methods=["POST"], route_class_override=JsonBodyRoute,
+            dependencies=[Depends(lambda: None)],
+        )  # fmt: skip
+    with pytest.raises(TypeError, match=r"exactly \(body, request\)"):
+        app.router.add_api_route("/t", three, methods=["POST"], route_class_override=JsonBodyRoute)
+
+
 def test_a_closed_engine_gets_a_503() -> None:
     with serving(EngineConfig(pipeline="digits", device="cpu")) as served:
         served.engine.close()
@@ -480,6 +545,8 @@ def test_png_encoding_round_trips_through_pillow(shape: tuple[int, int, int]) ->
     assert (np.asarray(image).reshape(shape) == pixels).all()
     with pytest.raises(ValueError, match="2-channel"):
         encode_png(np.zeros((2, 2, 2), dtype=np.uint8))
+    with pytest.raises(ValueError, match="empty image"):
+        encode_png(np.zeros((0, 2, 1), dtype=np.uint8))
     with pytest.raises(ValueError, match="uint8"):
         encode_png(pixels.astype(np.float32))
 

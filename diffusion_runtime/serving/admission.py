@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from diffusion_runtime.serving.errors import too_many_requests
 
 
@@ -36,3 +38,16 @@ class ClientLimiter:
             self._in_flight[client] = remaining
         else:
             del self._in_flight[client]
+
+    def releaser(self, client: str) -> Callable[[], None]:
+        """A function that gives back one of ``client``'s slots the first time it is
+        called and does nothing after: for an exchange that may end on two paths."""
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.release(client)
+
+        return release

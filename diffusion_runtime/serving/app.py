@@ -62,7 +62,8 @@ def build_app(
     app runs (between its lifespan's start and end) it counts the engine's
     events into ``metrics`` (a fresh :class:`EngineMetrics` by default;
     ``app.state.metrics.registry`` is its registry, also served at
-    ``/metrics``). At shutdown it aborts the requests still in flight.
+    ``/metrics``). At shutdown it aborts the streams still open; a plain
+    request's handler, cancelled by the server when its grace ends, aborts its own.
     """
     config = config if config is not None else ServerConfig()
     metrics = metrics if metrics is not None else EngineMetrics(engine)

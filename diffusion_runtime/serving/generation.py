@@ -28,13 +28,11 @@ from diffusion_runtime.serving.images import (
     png_images,
     size_of,
 )
+from diffusion_runtime.serving.json_body_route import CLIENT_CLOSED_REQUEST
 from diffusion_runtime.serving.metrics import EngineMetrics
 from diffusion_runtime.serving.params import check_model, sampling_params_for
 from diffusion_runtime.serving.request_outputs import OutputReaders, RequestOutputs
 from diffusion_runtime.serving.schema import ImageData, ImageGenerationRequest, ImagesResponse
-
-#: The status nginx made the convention for "the client closed the request" (never seen by it).
-CLIENT_CLOSED_REQUEST = 499
 
 
 class ImageGeneration:
@@ -69,11 +67,9 @@ class ImageGeneration:
             return await self._stream(body.prompt, params, client)
         request_id = await self._admit(body.prompt, params, client)
         try:
-            final = await self._final_output(request_id, request)
+            final = await self._final_output(request_id, request, client)
         except DiffusionRuntimeError as exc:
             raise engine_error(exc, self.config.retry_after_s) from None
-        finally:
-            self.limiter.release(client)
         if final is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return await self._answer(final, params, body.response_format or "b64_json", request)
@@ -96,21 +92,29 @@ class ImageGeneration:
             self.limiter.release(client)
             raise
 
-    async def _final_output(self, request_id: str, request: Request) -> RequestOutput | None:
+    async def _final_output(
+        self, request_id: str, request: Request, client: str
+    ) -> RequestOutput | None:
         """The request's final output, read on the handler's own task; ``None`` if the
-        client disconnected first (the request is then aborted)."""
+        client disconnected first. ``client``'s slot is given back once: when the
+        client leaves (its request is then aborted, and a retry need not wait for
+        the abort to take effect) or when the output has been read."""
+        release = self.limiter.releaser(client)
+        final: RequestOutput | None = None
 
         def abandon() -> None:
-            self.http_metrics.disconnects.inc()
-            self.engine.abort(request_id, "the HTTP client disconnected")
+            release()
+            if final is None or not final.finished:
+                self.http_metrics.disconnects.inc()
+                self.engine.abort(request_id, "the HTTP client disconnected")
 
-        final = None
         watch = DisconnectWatch(request.receive, abandon)
         try:
             async for output in self.engine.stream(request_id):
                 final = output
         finally:
             watch.close()
+            release()
         return None if watch.disconnected else final
 
     async def _stream(self, prompt: str, params: SamplingParams, client: str) -> Response:

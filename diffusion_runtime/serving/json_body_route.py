@@ -10,7 +10,11 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+
+#: The status nginx made the convention for "the client closed the request" (never seen by it).
+CLIENT_CLOSED_REQUEST = 499
 
 #: ``endpoint(body, request)``: the validated body and the request it came with.
 JsonEndpoint = Callable[[Any, Request], Awaitable[Response]]
@@ -31,9 +35,16 @@ class JsonBodyRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         endpoint: JsonEndpoint = self.endpoint
         model = body_model(endpoint)
+        if self.dependant.dependencies:
+            raise TypeError(f"{self.path}: a JsonBodyRoute runs no dependencies")
+        if len(inspect.signature(endpoint).parameters) != 2:
+            raise TypeError(f"{self.path}: the endpoint must take exactly (body, request)")
 
         async def handle(request: Request) -> Response:
-            data = await request.body()  # first, so that a body over the limit gets its 413
+            try:
+                data = await request.body()  # first, so that a body over the limit gets its 413
+            except ClientDisconnect:  # no answer can reach the client
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
             if not is_json(request.headers.get("content-type")):
                 raise RequestValidationError(
                     [{"type": "json_type", "loc": ("body",), "msg": "must be sent as JSON"}]

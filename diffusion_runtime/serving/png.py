@@ -33,6 +33,8 @@ def encode_png(pixels: np.ndarray) -> bytes:
     if pixels.dtype != np.uint8 or pixels.ndim != 3:
         raise ValueError(f"expected a (H, W, C) uint8 array; got {pixels.dtype} {pixels.shape}")
     height, width, channels = pixels.shape
+    if height < 1 or width < 1:
+        raise ValueError(f"cannot encode an empty image as PNG; got {height}x{width}")
     if channels not in COLOUR_TYPES:
         raise ValueError(f"cannot encode a {channels}-channel image as PNG")
     rows = pixels.reshape(height, width * channels)

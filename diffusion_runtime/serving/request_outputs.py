@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.outputs import RequestOutput
-from diffusion_runtime.sampling_params import SamplingParams
 
 
 class RequestOutputs:
@@ -28,14 +26,6 @@ class RequestOutputs:
         self._owner = owner
         self.reader = asyncio.get_running_loop().create_task(self._read())
         owner.add(self)
-
-    @classmethod
-    async def admit(
-        cls, engine: DiffusionEngine, prompt: Any, params: SamplingParams, owner: OutputReaders
-    ) -> RequestOutputs:
-        """Admit a request (raising as ``add_request`` does) and start reading its outputs."""
-        request_id = await engine.add_request(prompt, params)
-        return cls(engine, request_id, owner)
 
     async def _read(self) -> None:
         queue = self._queue
