@@ -204,6 +204,8 @@ def run(
 ) -> dict[str, Any]:
     """Every policy on a Poisson and a bursty trace; the ratios the issue asks for at
     1.2x (``scales`` must hold it)."""
+    if 1.2 not in scales:
+        raise ValueError(f"scales must include 1.2 (the ratios are taken there); got {scales}")
     traces = {
         "poisson": poisson_trace(count, poisson_rate_per_s, seed),
         "bursty": bursty_trace(count, burst_size, burst_gap_s, seed),

@@ -312,7 +312,7 @@ class BaseScheduler(abc.ABC):
         schedule = self.machine.fire
         for request in (*resumed, *new):
             schedule(request, Trigger.SCHEDULE, wave_id=wave_id)
-        self._time_wave(wave_id, new, cached_ids)
+        self._time_wave(wave_id, bool(new or resumed), new, cached_ids)
         finished_ids = tuple(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(
@@ -326,13 +326,17 @@ class BaseScheduler(abc.ABC):
             num_waiting=len(self.waiting),
         )
 
-    def _time_wave(self, wave_id: int, new: list[Request], cached_ids: tuple[str, ...]) -> None:
+    def _time_wave(
+        self, wave_id: int, starts: bool, new: list[Request], cached_ids: tuple[str, ...]
+    ) -> None:
         """Start timing the wave for the step cost model. In step mode only a wave of
-        requests that all ran before is timed: one that starts requests also builds
-        their states (several ordinary steps' worth on digits), and its time taught
-        the model a step far slower than the ones that follow."""
+        requests that all ran in the previous step is timed: one that ``starts``
+        requests also builds their states (several ordinary steps' worth on
+        digits), one that resumes them may bring their states back from host
+        memory, and either taught the model a step far slower than the ones that
+        follow."""
         if self.keeps_runner_state:
-            first = None if new or not cached_ids else self.requests.get(cached_ids[0])
+            first = None if starts or not cached_ids else self.requests.get(cached_ids[0])
             steps = 1
         else:
             first = new[0] if new else None

@@ -139,8 +139,8 @@ class SloAwarePolicy(SchedulingPolicy):
     def _deadlines_met(self, order: Sequence[Sequence[Request]], now: float) -> int:
         """How many requests meet their deadline if ``order``'s batches run one after
         another, each from its start until its longest request is done, at the
-        fastest step measured for the key and batch size (the bound :meth:`rank`
-        uses too)."""
+        fastest step measured for the key at the batch's size (the bound
+        :meth:`rank` uses, which takes the key's last batch size)."""
         met, start = 0, now
         for batch in order:
             step_s = self.costs.fastest_seconds_per_step(batch[0].batch_key, len(batch))
