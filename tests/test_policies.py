@@ -25,6 +25,7 @@ from diffusion_runtime.scheduler import (
     StepScheduler,
 )
 from diffusion_runtime.scheduler.policies import resolve_policy_class
+from diffusion_runtime.scheduler.step_cost import MIN_SAMPLES_FOR_BOUND
 
 S = RequestStatus
 
@@ -201,10 +202,46 @@ def test_step_cost_model_learns_per_key_and_batch_size() -> None:
     assert costs.seconds_per_step("k") == pytest.approx(0.01)  # the last size seen
     assert costs.seconds_per_step("k", 2) == pytest.approx(0.018)  # the key's average
     assert costs.seconds_per_step("other", 1) == pytest.approx(0.018)  # every key's average
-    assert costs.fastest_seconds_per_step("k") == pytest.approx(0.01)  # at the last size, 1
-    assert costs.fastest_seconds_per_step("k", 4) == pytest.approx(0.02)
+    # The bound at a size counts after MIN_SAMPLES_FOR_BOUND steps; before, any size's.
+    assert costs.fastest_seconds_per_step("k") == pytest.approx(0.01)
+    assert costs.fastest_seconds_per_step("k", 4) == pytest.approx(0.01)
+    for _ in range(MIN_SAMPLES_FOR_BOUND):
+        costs.observe("k", 1, 0.012)
+        costs.observe("k", 4, 0.025)
+    assert costs.fastest_seconds_per_step("k", 1) == pytest.approx(0.01)
+    assert costs.fastest_seconds_per_step("k", 4) == pytest.approx(0.02)  # its own now
     assert costs.fastest_seconds_per_step("k", 2) == pytest.approx(0.01)  # any size
-    assert costs.fastest_seconds_per_step("other") == pytest.approx(0.018)
+    assert costs.fastest_seconds_per_step("other") == pytest.approx(costs.seconds_per_step("x"))
+
+
+def test_one_slow_step_at_a_new_batch_size_does_not_make_running_requests_look_late() -> None:
+    """The first steps after the machine sat idle run slow (digits on a CPU: up to
+    2.9 ms against 1.2). When such a step was the only one measured at a batch
+    size, it was taken as that size's fastest: four requests due in time looked
+    hopeless, and ``slo`` preempted them for a request of another key."""
+    scheduler = make("step", max_num_seqs=4, scheduling_policy="slo")
+    clock = [0.0]
+    scheduler.clock = lambda: clock[0]
+    four = [add(scheduler, f"a{i}", num_inference_steps=10, deadline_s=0.14) for i in range(4)]
+    other_key = scheduler.batch_key_for(SamplingParams(height=16, width=16))
+    for _ in range(MIN_SAMPLES_FOR_BOUND):  # 10 ms steps, measured alone
+        scheduler.step_costs.observe(four[0].batch_key, 1, 0.01)
+        scheduler.step_costs.observe(other_key, 1, 0.01)
+    out = scheduler.schedule(0.0)
+    assert out is not None and len(out.scheduled_ids) == 4
+    clock[0] = 0.02
+    run_wave(scheduler, out)  # starts them: not timed
+    out = scheduler.schedule(clock[0])
+    assert out is not None
+    clock[0] = 0.05  # one slow step: the first ever at 4 requests
+    run_wave(scheduler, out)
+    # 8 steps left by 0.14: made at 10 ms a step. The other request (25 steps by
+    # 0.35) makes its deadline only if it runs first.
+    add(scheduler, "b", arrival=0.05, num_inference_steps=25, height=16, width=16,
+        deadline_s=0.3)  # fmt: skip
+    out = scheduler.schedule(clock[0])
+    assert out is not None and set(out.scheduled_ids) == {r.request_id for r in four}
+    assert scheduler.num_preemptions == 0
 
 
 @pytest.mark.parametrize("mode", ["step", "request"])

@@ -8,6 +8,8 @@ from collections.abc import Hashable
 SMOOTHING = 0.2
 #: The estimate before anything has been measured (a small model's step on a CPU).
 DEFAULT_STEP_S = 0.001
+#: Steps measured at one batch size before their fastest counts as that size's bound.
+MIN_SAMPLES_FOR_BOUND = 5
 
 
 class StepCostModel:
@@ -26,6 +28,7 @@ class StepCostModel:
         self._last_size: dict[Hashable, int] = {}
         self._fastest: dict[Hashable, float] = {}
         self._fastest_by_size: dict[tuple[Hashable, int], float] = {}
+        self._samples_by_size: dict[tuple[Hashable, int], int] = {}
         self._overall: float | None = None
 
     def observe(self, key: Hashable, batch_size: int, seconds_per_step: float) -> None:
@@ -39,6 +42,7 @@ class StepCostModel:
         self._fastest_by_size[key, batch_size] = min(
             self._fastest_by_size.get((key, batch_size), seconds_per_step), seconds_per_step
         )
+        self._samples_by_size[key, batch_size] = self._samples_by_size.get((key, batch_size), 0) + 1
         self._overall = _blend(self._overall, seconds_per_step)
 
     def seconds_per_step(self, key: Hashable, batch_size: int | None = None) -> float:
@@ -53,11 +57,21 @@ class StepCostModel:
 
     def fastest_seconds_per_step(self, key: Hashable, batch_size: int | None = None) -> float:
         """The fastest step measured so far for ``key`` at ``batch_size`` (``None``:
-        the size of the last wave of ``key``), else at any size, else the estimate:
-        a lower bound on what the next steps will take."""
+        the size of the last wave of ``key``) once :data:`MIN_SAMPLES_FOR_BOUND`
+        steps were measured at that size, else at any size, else the estimate:
+        a lower bound on what the next steps will take.
+
+        The minimum of a few steps is no bound: the first steps after the
+        machine sat idle run up to twice as slow (digits on a CPU: 1.6-2.9 ms
+        against 1.2), and one of them as a size's only sample would make a
+        request due in time look hopeless.
+        """
         if batch_size is None:
             batch_size = self._last_size.get(key, 1)
-        fastest = self._fastest_by_size.get((key, batch_size), self._fastest.get(key))
+        if self._samples_by_size.get((key, batch_size), 0) >= MIN_SAMPLES_FOR_BOUND:
+            fastest: float | None = self._fastest_by_size[key, batch_size]
+        else:
+            fastest = self._fastest.get(key)
         return self.seconds_per_step(key, batch_size) if fastest is None else fastest
 
 
