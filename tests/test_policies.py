@@ -25,7 +25,7 @@ from diffusion_runtime.scheduler import (
     StepScheduler,
 )
 from diffusion_runtime.scheduler.policies import resolve_policy_class
-from diffusion_runtime.scheduler.step_cost import MIN_SAMPLES_FOR_BOUND
+from diffusion_runtime.scheduler.step_cost import IDLE_AFTER_S, MIN_SAMPLES_FOR_BOUND
 
 S = RequestStatus
 
@@ -242,6 +242,87 @@ def test_one_slow_step_at_a_new_batch_size_does_not_make_running_requests_look_l
     out = scheduler.schedule(clock[0])
     assert out is not None and set(out.scheduled_ids) == {r.request_id for r in four}
     assert scheduler.num_preemptions == 0
+
+
+def test_start_costs_are_learnt_apart_for_an_idle_and_a_busy_engine() -> None:
+    costs = StepCostModel()
+    assert costs.is_idle(0.0) and costs.start_seconds("k", True) == 0.0
+    costs.observe_start("k", True, 0.003)
+    assert costs.start_seconds("k", False) == pytest.approx(0.003)  # the other kind's, for now
+    costs.observe_start("k", False, 0.0005)
+    assert costs.start_seconds("k", True) == pytest.approx(0.003)
+    assert costs.start_seconds("k", False) == pytest.approx(0.0005)
+    costs.observe_start("j", False, -0.001)
+    assert costs.start_seconds("j", False) == 0.0  # never negative
+    costs.wave_ended(1.0)
+    assert not costs.is_idle(1.0 + IDLE_AFTER_S / 2)
+    assert costs.is_idle(1.0 + IDLE_AFTER_S)
+
+
+def test_the_step_scheduler_learns_start_costs_from_the_waves_after_a_start() -> None:
+    """The start cost is the time of the three waves from a start beyond three
+    ordinary steps; a start on an idle engine is kept apart, and a window in
+    which the engine fell idle (its request ended first) measures nothing."""
+    scheduler = make("step", max_num_seqs=4)
+    clock = [0.0]
+    scheduler.clock = lambda: clock[0]
+    costs = scheduler.step_costs
+
+    def wave(seconds: float) -> None:
+        out = scheduler.schedule(clock[0])
+        assert out is not None
+        clock[0] += seconds
+        run_wave(scheduler, out)
+
+    first = add(scheduler, "cold", num_inference_steps=10)
+    for size in (1, 2):
+        for _ in range(MIN_SAMPLES_FOR_BOUND):
+            costs.observe(first.batch_key, size, 0.001)
+    for seconds in (0.004, 0.001, 0.001):  # starts on an idle engine: 3 ms beyond
+        wave(seconds)
+    assert costs.start_seconds(first.batch_key, True) == pytest.approx(0.003)
+    add(scheduler, "warm", num_inference_steps=4)
+    for seconds in (0.002, 0.001, 0.001):  # joins a busy engine: 1 ms beyond
+        wave(seconds)
+    assert costs.start_seconds(first.batch_key, False) == pytest.approx(0.001)
+    while scheduler.requests:
+        wave(0.001)
+    clock[0] += 1.0
+    add(scheduler, "short", num_inference_steps=2)
+    wave(0.004)
+    wave(0.001)  # ends before its window closes
+    clock[0] += 1.0
+    add(scheduler, "next", num_inference_steps=10)
+    for seconds in (0.005, 0.001, 0.001):  # 4 ms beyond, on an idle engine
+        wave(seconds)
+    expected = 0.003 + 0.2 * (0.004 - 0.003)  # the short one's second of idling is not in it
+    assert costs.start_seconds(first.batch_key, True) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("engine_idle", [True, False])
+def test_slo_judges_a_request_that_has_not_started_by_what_its_start_costs(
+    engine_idle: bool,
+) -> None:
+    """On an idle engine a request starts cold: a short request due at 14.4 ms
+    cannot make it (3 ms of start and 10 steps of 1.2 ms), so a request of
+    another key that can runs first; on a busy engine its start costs 0.5 ms,
+    it can make it, and goes first as the earliest deadline."""
+    scheduler = make("step", max_num_seqs=1, scheduling_policy="slo")
+    scheduler.clock = lambda: 1.0
+    short = add(scheduler, "short", arrival=1.0, num_inference_steps=10, deadline_s=0.0144)
+    medium = add(scheduler, "medium", arrival=1.0, num_inference_steps=25, height=16,
+                 width=16, deadline_s=0.036)  # fmt: skip
+    costs = scheduler.step_costs
+    for key in (short.batch_key, medium.batch_key):
+        for _ in range(MIN_SAMPLES_FOR_BOUND):
+            costs.observe(key, 1, 0.0012)
+        costs.observe_start(key, True, 0.003)
+        costs.observe_start(key, False, 0.0005)
+    if not engine_idle:
+        costs.wave_ended(1.0 - IDLE_AFTER_S / 2)
+    out = scheduler.schedule(1.0)
+    assert out is not None
+    assert out.scheduled_ids == (("medium",) if engine_idle else ("short",))
 
 
 @pytest.mark.parametrize("mode", ["step", "request"])

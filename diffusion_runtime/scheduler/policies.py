@@ -87,28 +87,43 @@ _ON_TIME, _NO_DEADLINE, _LATE = 0, 1, 2
 class SloAwarePolicy(SchedulingPolicy):
     """Earliest deadline first among the requests that can still meet their deadline.
 
-    A request can still make it when its slack, ``deadline - now -
-    remaining_steps * seconds_per_step``, is not negative, with the fastest
-    step measured online for its batch key: only a request that would be late
-    even at the best speed seen counts as late, since demoting one that could
-    still make it loses its deadline for sure. Requests that can no longer
-    make it are demoted behind every request that can (and behind requests
-    without a deadline), so an overload sacrifices the fewest requests instead
-    of making every one late: plain earliest deadline first would serve the
-    hopeless ones first and miss the rest too. Late requests run shortest
-    remaining work first. Between batch keys it runs the batch whose running
-    first meets the most deadlines (see :meth:`choose_batch`). Preemptive in
-    step mode.
+    Whether a request can still make it depends on whether it has started
+    (see :meth:`time_needed`). A running or preempted one is given every
+    chance: it is late only if it would be late even at the fastest step
+    measured for its key, since demoting one that could still make it loses
+    its deadline for sure (and flips with the noise of each step). One that
+    has not started yet is judged on what its start will really cost: the
+    start cost learnt for its key (on an idle engine, the slow first steps of
+    a cold machine) plus its steps at the average step. Requests that can no
+    longer make it are demoted behind every request that can (and behind
+    requests without a deadline), so an overload sacrifices the fewest
+    requests instead of making every one late: plain earliest deadline first
+    would serve the hopeless ones first and miss the rest too. Late requests
+    run shortest remaining work first. Between batch keys it runs the batch
+    whose running first meets the most deadlines (see :meth:`choose_batch`).
+    Preemptive in step mode.
     """
 
     preemptive = True
+
+    def time_needed(
+        self, request: Request, engine_idle: bool, batch_size: int | None = None
+    ) -> float:
+        """Seconds ``request`` needs to finish from now, in a wave of ``batch_size``
+        (``None``: the key's last size). Started: its remaining steps at the
+        fastest step measured. Not started: its key's start cost on an idle or a
+        busy engine (``engine_idle``) plus its steps at the average step."""
+        costs, key = self.costs, request.batch_key
+        if request.scheduled_time is not None:
+            return request.remaining_steps * costs.fastest_seconds_per_step(key, batch_size)
+        start_s = costs.start_seconds(key, engine_idle)
+        return start_s + request.remaining_steps * costs.seconds_per_step(key, batch_size)
 
     def rank(self, request: Request, now: float) -> Rank:
         priority = request.params.priority
         if request.deadline is None:
             return (_NO_DEADLINE, 0.0, priority)
-        step_s = self.costs.fastest_seconds_per_step(request.batch_key)
-        remaining_s = request.remaining_steps * step_s
+        remaining_s = self.time_needed(request, self.costs.is_idle(now))
         if request.deadline - now < remaining_s:
             return (_LATE, remaining_s, priority)
         return (_ON_TIME, request.deadline, priority)
@@ -138,16 +153,17 @@ class SloAwarePolicy(SchedulingPolicy):
 
     def _deadlines_met(self, order: Sequence[Sequence[Request]], now: float) -> int:
         """How many requests meet their deadline if ``order``'s batches run one after
-        another, each from its start until its longest request is done, at the
-        fastest step measured for the key at the batch's size (the bound
-        :meth:`rank` uses, which takes the key's last batch size)."""
-        met, start = 0, now
+        another, each from its start until its slowest request is done, each
+        request taking :meth:`time_needed` at its batch's size (the first batch
+        starts on the engine as it is now, the others on a busy one)."""
+        met, start, idle = 0, now, self.costs.is_idle(now)
         for batch in order:
-            step_s = self.costs.fastest_seconds_per_step(batch[0].batch_key, len(batch))
+            end = start
             for request in batch:
-                finish = start + request.remaining_steps * step_s
+                finish = start + self.time_needed(request, idle, len(batch))
                 met += request.deadline is not None and finish <= request.deadline
-            start += max(request.remaining_steps for request in batch) * step_s
+                end = max(end, finish)
+            start, idle = end, False
         return met
 
 

@@ -1,4 +1,5 @@
-"""StepCostModel: how long one denoising step takes, learnt online from the waves that ran."""
+"""StepCostModel: how long a denoising step and a request's start take, learnt online
+from the waves that ran."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ SMOOTHING = 0.2
 DEFAULT_STEP_S = 0.001
 #: Steps measured at one batch size before their fastest counts as that size's bound.
 MIN_SAMPLES_FOR_BOUND = 5
+#: Seconds without a step after which the engine counts as idle: its next start is cold.
+IDLE_AFTER_S = 0.05
 
 
 class StepCostModel:
@@ -18,8 +21,14 @@ class StepCostModel:
 
     An estimate for a (key, size) never measured falls back to the key's
     average over all sizes, then to the average over every key, then to
-    :data:`DEFAULT_STEP_S`. The fastest step seen per key is kept too. Memory
-    grows with the number of distinct keys and sizes seen, not with requests.
+    :data:`DEFAULT_STEP_S`. The fastest step seen per key is kept too.
+
+    It also learns each key's *start cost*: how much longer the first waves
+    after requests start take than ordinary steps (building their states, and
+    on an engine that sat idle, the slow first steps of a cold machine), as
+    moving averages kept apart for starts on an idle engine and on a busy one.
+    Memory grows with the number of distinct keys and sizes seen, not with
+    requests.
     """
 
     def __init__(self) -> None:
@@ -30,6 +39,8 @@ class StepCostModel:
         self._fastest_by_size: dict[tuple[Hashable, int], float] = {}
         self._samples_by_size: dict[tuple[Hashable, int], int] = {}
         self._overall: float | None = None
+        self._start: dict[tuple[Hashable, bool], float] = {}
+        self._last_wave_end: float | None = None
 
     def observe(self, key: Hashable, batch_size: int, seconds_per_step: float) -> None:
         """Record that a wave of ``batch_size`` requests of ``key`` took this long per step."""
@@ -73,6 +84,27 @@ class StepCostModel:
         else:
             fastest = self._fastest.get(key)
         return self.seconds_per_step(key, batch_size) if fastest is None else fastest
+
+    def wave_ended(self, at: float) -> None:
+        """Record that a wave that ran steps ended at ``at`` (the scheduler's clock)."""
+        self._last_wave_end = at
+
+    def is_idle(self, now: float) -> bool:
+        """Whether no wave ended in the last :data:`IDLE_AFTER_S` before ``now``."""
+        end = self._last_wave_end
+        return end is None or now - end >= IDLE_AFTER_S
+
+    def observe_start(self, key: Hashable, idle: bool, extra_seconds: float) -> None:
+        """Record that the first waves after requests of ``key`` started took
+        ``extra_seconds`` longer than ordinary steps; ``idle``: the engine was idle."""
+        self._start[key, idle] = _blend(self._start.get((key, idle)), extra_seconds)
+
+    def start_seconds(self, key: Hashable, idle: bool) -> float:
+        """What starting requests of ``key`` costs beyond their steps, on an idle or a
+        busy engine (the other kind's average until this one is measured; 0 before
+        any, and never negative)."""
+        cost = self._start.get((key, idle), self._start.get((key, not idle), 0.0))
+        return max(0.0, cost)
 
 
 def _blend(average: float | None, sample: float) -> float:
