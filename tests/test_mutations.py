@@ -90,14 +90,14 @@ REQUIRED_REACH = {
     },
     "deadline-slo-drop": {
         "path: dropped at its deadline": 20,
-        "path: dropped at its deadline while preempted": 15,
+        "path: dropped at its deadline while preempted": 7,
         "path: a deadline fell exactly on a step": 8,
         "path: an aged request ran first": 5,
     },
     "deadline-slo-run_late": {
-        "path: slo demoted a late request": 50,
+        "path: slo demoted a late request": 30,
         "path: a late request completed": 15,
-        "path: a deadline fell exactly on a step": 6,
+        "path: a deadline fell exactly on a step": 2,
         "path: an aged request ran first": 60,
     },
     "deadline-edf-drop": {

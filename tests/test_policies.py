@@ -299,6 +299,32 @@ def test_the_step_scheduler_learns_start_costs_from_the_waves_after_a_start() ->
     assert costs.start_seconds(first.batch_key, True) == pytest.approx(expected)
 
 
+def test_a_start_window_that_runs_another_key_measures_nothing() -> None:
+    """A request preempted right after its start: the waves that follow are
+    another key's, whose time says nothing about the first one's start."""
+    scheduler = make("step", max_num_seqs=1, scheduling_policy="priority")
+    clock = [0.0]
+    scheduler.clock = lambda: clock[0]
+    low = add(scheduler, "low", num_inference_steps=6, priority=1)
+    for _ in range(MIN_SAMPLES_FOR_BOUND):
+        scheduler.step_costs.observe(low.batch_key, 1, 0.001)
+    out = scheduler.schedule(0.0)
+    assert out is not None and out.scheduled_ids == ("low",)
+    clock[0] += 0.004
+    run_wave(scheduler, out)
+    high = add(scheduler, "high", num_inference_steps=6, priority=0, height=16, width=16)
+    while scheduler.requests:
+        out = scheduler.schedule(clock[0])
+        assert out is not None
+        clock[0] += 0.05  # slow waves: any start cost learnt from them would be huge
+        run_wave(scheduler, out)
+    costs = scheduler.step_costs
+    assert scheduler.num_preemptions == 1
+    assert (
+        costs.start_seconds(low.batch_key, True) == costs.start_seconds(high.batch_key, True) == 0.0
+    )
+
+
 @pytest.mark.parametrize("engine_idle", [True, False])
 def test_slo_judges_a_request_that_has_not_started_by_what_its_start_costs(
     engine_idle: bool,

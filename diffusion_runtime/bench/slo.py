@@ -198,7 +198,7 @@ def run(
     burst_gap_s: float = 0.4,
     max_num_seqs: int = 4,
     solo_repeats: int = 5,
-    rounds: int = 4,
+    rounds: int = 8,
     seed: int = 0,
     scales: tuple[float, ...] = SCALES,
 ) -> dict[str, Any]:

@@ -367,7 +367,8 @@ class BaseScheduler(abc.ABC):
     def _watch_start(self, new: list[Request], size: int, now: float) -> None:
         """Step mode: time the :data:`START_WINDOW_WAVES` waves from one that starts
         requests, for their key's start cost on an idle or a busy engine. A window
-        in which the engine fell idle (its requests ended early) measures nothing."""
+        in which the engine fell idle (its requests ended early) or ran another
+        key measures nothing."""
         idle = self.step_costs.is_idle(now)
         if idle:
             self._start_window = None
@@ -387,6 +388,10 @@ class BaseScheduler(abc.ABC):
             self.step_costs.observe(timing.key, timing.batch_size, seconds / timing.steps)
         window = self._start_window
         if window is not None and output.scheduled_ids:
+            first = self.requests.get(output.scheduled_ids[0])
+            if first is None or first.batch_key != window.key:  # another key's wave
+                self._start_window = None
+                return
             if window.waves_left > 1:
                 self._start_window = window._replace(waves_left=window.waves_left - 1)
                 return
