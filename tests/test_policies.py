@@ -24,7 +24,7 @@ from diffusion_runtime.scheduler import (
     StepCostModel,
     StepScheduler,
 )
-from diffusion_runtime.scheduler.policies import resolve_policy_class
+from diffusion_runtime.scheduler.policies import SloAwarePolicy, resolve_policy_class
 from diffusion_runtime.scheduler.step_cost import IDLE_AFTER_S, MIN_SAMPLES_FOR_BOUND
 
 S = RequestStatus
@@ -254,9 +254,9 @@ def test_start_costs_are_learnt_apart_for_an_idle_and_a_busy_engine() -> None:
     assert costs.start_seconds("k", False) == pytest.approx(0.0005)
     costs.observe_start("j", False, -0.001)
     assert costs.start_seconds("j", False) == 0.0  # never negative
-    costs.wave_ended(1.0)
-    assert not costs.is_idle(1.0 + IDLE_AFTER_S / 2)
-    assert costs.is_idle(1.0 + IDLE_AFTER_S)
+    costs.wave_ended(0.0)
+    assert not costs.is_idle(IDLE_AFTER_S / 2)
+    assert costs.is_idle(IDLE_AFTER_S)
 
 
 def test_the_step_scheduler_learns_start_costs_from_the_waves_after_a_start() -> None:
@@ -278,9 +278,10 @@ def test_the_step_scheduler_learns_start_costs_from_the_waves_after_a_start() ->
     for size in (1, 2):
         for _ in range(MIN_SAMPLES_FOR_BOUND):
             costs.observe(first.batch_key, size, 0.001)
-    for seconds in (0.004, 0.001, 0.001):  # starts on an idle engine: 3 ms beyond
+    for seconds in (0.003, 0.002, 0.0015):  # starts on an idle engine, three slow waves
         wave(seconds)
-    assert costs.start_seconds(first.batch_key, True) == pytest.approx(0.003)
+    cold = 0.0065 - 3 * costs.seconds_per_step(first.batch_key, 1)
+    assert costs.start_seconds(first.batch_key, True) == pytest.approx(cold)
     add(scheduler, "warm", num_inference_steps=4)
     for seconds in (0.002, 0.001, 0.001):  # joins a busy engine: 1 ms beyond
         wave(seconds)
@@ -295,8 +296,45 @@ def test_the_step_scheduler_learns_start_costs_from_the_waves_after_a_start() ->
     add(scheduler, "next", num_inference_steps=10)
     for seconds in (0.005, 0.001, 0.001):  # 4 ms beyond, on an idle engine
         wave(seconds)
-    expected = 0.003 + 0.2 * (0.004 - 0.003)  # the short one's second of idling is not in it
-    assert costs.start_seconds(first.batch_key, True) == pytest.approx(expected)
+    step_s = costs.seconds_per_step(first.batch_key, 1)
+    cold += 0.2 * (0.007 - 3 * step_s - cold)  # the short one's second of idling is not in it
+    assert costs.start_seconds(first.batch_key, True) == pytest.approx(cold)
+    while scheduler.requests:
+        wave(0.001)
+    add(scheduler, "brief", num_inference_steps=2)  # on a busy engine; ends in its window
+    wave(0.001)
+    wave(0.001)
+    clock[0] += IDLE_AFTER_S / 2  # empty, though not idle
+    add(scheduler, "after a pause", num_inference_steps=10)
+    busy = costs.start_seconds(first.batch_key, False)
+    for seconds in (0.004, 0.001, 0.001):
+        wave(seconds)
+    step_s = costs.seconds_per_step(first.batch_key, 1)
+    assert costs.start_seconds(first.batch_key, True) == pytest.approx(cold)
+    busy += 0.2 * (0.006 - 3 * step_s - busy)  # the pause is not in it either
+    assert costs.start_seconds(first.batch_key, False) == pytest.approx(busy)
+
+
+def test_a_start_inside_a_window_opens_a_new_one() -> None:
+    """The first waves after a request joins another's start are the joiner's start
+    (on a busy engine): the first start's measurement is dropped, not mixed in."""
+    scheduler = make("step", max_num_seqs=4)
+    clock = [0.0]
+    scheduler.clock = lambda: clock[0]
+    a = add(scheduler, "a", num_inference_steps=10)
+    for size in (1, 2):
+        for _ in range(MIN_SAMPLES_FOR_BOUND):
+            scheduler.step_costs.observe(a.batch_key, size, 0.001)
+    for name, seconds in (("a", 0.003), ("b", 0.003), (None, 0.001), (None, 0.001)):
+        if name == "b":
+            add(scheduler, name, num_inference_steps=10)
+        out = scheduler.schedule(clock[0])
+        assert out is not None
+        clock[0] += seconds
+        run_wave(scheduler, out)
+    costs = scheduler.step_costs
+    assert costs.start_seconds(a.batch_key, False) == pytest.approx(0.002)
+    assert costs.start_seconds(a.batch_key, True) == pytest.approx(0.002)  # none of its own
 
 
 def test_a_start_window_that_runs_another_key_measures_nothing() -> None:
@@ -330,18 +368,19 @@ def test_slo_judges_a_request_that_has_not_started_by_what_its_start_costs(
     engine_idle: bool,
 ) -> None:
     """On an idle engine a request starts cold: a short request due at 14.4 ms
-    cannot make it (3 ms of start and 10 steps of 1.2 ms), so a request of
-    another key that can runs first; on a busy engine its start costs 0.5 ms,
-    it can make it, and goes first as the earliest deadline."""
+    cannot make it (3 ms of start and 10 steps at the average 1.34 ms; at the
+    fastest, 1 ms, it would look on time), so a request of another key that
+    can runs first; on a busy engine its start costs 0.5 ms, it can make it,
+    and goes first as the earliest deadline."""
     scheduler = make("step", max_num_seqs=1, scheduling_policy="slo")
     scheduler.clock = lambda: 1.0
     short = add(scheduler, "short", arrival=1.0, num_inference_steps=10, deadline_s=0.0144)
     medium = add(scheduler, "medium", arrival=1.0, num_inference_steps=25, height=16,
-                 width=16, deadline_s=0.036)  # fmt: skip
+                 width=16, deadline_s=0.04)  # fmt: skip
     costs = scheduler.step_costs
     for key in (short.batch_key, medium.batch_key):
-        for _ in range(MIN_SAMPLES_FOR_BOUND):
-            costs.observe(key, 1, 0.0012)
+        for step_s in (0.001,) * MIN_SAMPLES_FOR_BOUND + (0.0015,) * 5:  # average 1.34 ms
+            costs.observe(key, 1, step_s)
         costs.observe_start(key, True, 0.003)
         costs.observe_start(key, False, 0.0005)
     if not engine_idle:
@@ -349,6 +388,24 @@ def test_slo_judges_a_request_that_has_not_started_by_what_its_start_costs(
     out = scheduler.schedule(1.0)
     assert out is not None
     assert out.scheduled_ids == (("medium",) if engine_idle else ("short",))
+
+
+def test_slo_judges_a_request_restarted_by_a_request_mode_preemption_as_not_started() -> None:
+    """In request mode a preempted request restarts from its first step: it is
+    judged like a request that never ran, not by the fastest-step bound."""
+    scheduler = make("request", max_num_seqs=1, scheduling_policy="slo")
+    preempted = add(scheduler, "preempted", num_inference_steps=4)
+    fresh = add(scheduler, "fresh", num_inference_steps=4)
+    for step_s in (0.001,) * MIN_SAMPLES_FOR_BOUND + (0.002,) * 5:
+        scheduler.step_costs.observe(preempted.batch_key, 1, step_s)
+    out = scheduler.schedule(0.0)
+    assert out is not None and out.scheduled_ids == ("preempted",)
+    scheduler.preempt_request("preempted")
+    policy = scheduler.policy
+    assert isinstance(policy, SloAwarePolicy)
+    needed = policy.time_needed(preempted, engine_idle=False)
+    assert needed == pytest.approx(policy.time_needed(fresh, engine_idle=False))
+    assert needed > 4 * scheduler.step_costs.fastest_seconds_per_step(preempted.batch_key)
 
 
 @pytest.mark.parametrize("mode", ["step", "request"])

@@ -346,7 +346,8 @@ class BaseScheduler(abc.ABC):
     def _time_wave(
         self, wave_id: int, starts: bool, new: list[Request], cached_ids: tuple[str, ...]
     ) -> None:
-        """Start timing the wave for the step cost model. In step mode only a wave of
+        """Start timing the wave for the step cost model (and, in step mode, for
+        start costs: see :meth:`_watch_start`). In step mode only a wave of
         requests that all ran in the previous step is timed: one that ``starts``
         requests also builds their states (several ordinary steps' worth on
         digits), one that resumes them may bring their states back from host
@@ -354,8 +355,8 @@ class BaseScheduler(abc.ABC):
         follow."""
         now = self.clock()
         size = len(new) + len(cached_ids)
-        if self.keeps_runner_state:
-            self._watch_start(new, size, now)
+        if self.keeps_runner_state and size:
+            self._watch_start(new, cached_ids, now)
             first = None if starts or not cached_ids else self.requests.get(cached_ids[0])
             steps = 1
         else:
@@ -364,15 +365,18 @@ class BaseScheduler(abc.ABC):
         if first is not None:
             self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, now)
 
-    def _watch_start(self, new: list[Request], size: int, now: float) -> None:
+    def _watch_start(self, new: list[Request], cached_ids: tuple[str, ...], now: float) -> None:
         """Step mode: time the :data:`START_WINDOW_WAVES` waves from one that starts
-        requests, for their key's start cost on an idle or a busy engine. A window
-        in which the engine fell idle (its requests ended early) or ran another
-        key measures nothing."""
+        requests, for their key's start cost on an idle or a busy engine. An open
+        window measures nothing once the engine was idle or empty before a wave
+        (its requests ended first: the gap is no start cost), once a wave in it
+        starts more requests (a new window, on a busy engine, measures those), or
+        once another key's wave runs."""
         idle = self.step_costs.is_idle(now)
-        if idle:
+        if idle or not cached_ids or new:
             self._start_window = None
-        if new and self._start_window is None:
+        if new:
+            size = len(new) + len(cached_ids)
             self._start_window = _StartWindow(new[0].batch_key, idle, size, now, START_WINDOW_WAVES)
 
     def record_wave_cost(self, output: SchedulerOutput) -> None:
@@ -388,7 +392,8 @@ class BaseScheduler(abc.ABC):
             self.step_costs.observe(timing.key, timing.batch_size, seconds / timing.steps)
         window = self._start_window
         if window is not None and output.scheduled_ids:
-            first = self.requests.get(output.scheduled_ids[0])
+            ran = (self.requests.get(rid) for rid in output.scheduled_ids)
+            first = next((request for request in ran if request is not None), None)
             if first is None or first.batch_key != window.key:  # another key's wave
                 self._start_window = None
                 return

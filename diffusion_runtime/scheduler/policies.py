@@ -110,11 +110,13 @@ class SloAwarePolicy(SchedulingPolicy):
         self, request: Request, engine_idle: bool, batch_size: int | None = None
     ) -> float:
         """Seconds ``request`` needs to finish from now, in a wave of ``batch_size``
-        (``None``: the key's last size). Started: its remaining steps at the
-        fastest step measured. Not started: its key's start cost on an idle or a
-        busy engine (``engine_idle``) plus its steps at the average step."""
+        (``None``: the key's last size). Started (it ran steps whose state the
+        workers hold; a preemption in request mode clears them, as it restarts):
+        its remaining steps at the fastest step measured. Not started: its key's
+        start cost on an idle or a busy engine (``engine_idle``) plus its steps
+        at the average step."""
         costs, key = self.costs, request.batch_key
-        if request.scheduled_time is not None:
+        if request.num_steps is not None:
             return request.remaining_steps * costs.fastest_seconds_per_step(key, batch_size)
         start_s = costs.start_seconds(key, engine_idle)
         return start_s + request.remaining_steps * costs.seconds_per_step(key, batch_size)
