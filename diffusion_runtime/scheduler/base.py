@@ -356,8 +356,8 @@ class BaseScheduler(abc.ABC):
         now = self.clock()
         size = len(new) + len(cached_ids)
         if self.keeps_runner_state and size:
-            self._watch_start(new, cached_ids, now)
-            first = None if starts or not cached_ids else self.requests.get(cached_ids[0])
+            self._watch_start(new, size, now)
+            first = None if starts else self.requests.get(cached_ids[0])
             steps = 1
         else:
             first = new[0] if new else None
@@ -365,19 +365,19 @@ class BaseScheduler(abc.ABC):
         if first is not None:
             self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, now)
 
-    def _watch_start(self, new: list[Request], cached_ids: tuple[str, ...], now: float) -> None:
+    def _watch_start(self, new: list[Request], size: int, now: float) -> None:
         """Step mode: time the :data:`START_WINDOW_WAVES` waves from one that starts
-        requests, for their key's start cost on an idle or a busy engine. An open
-        window measures nothing once the engine was idle or empty before a wave
-        (its requests ended first: the gap is no start cost), once a wave in it
-        starts more requests (a new window, on a busy engine, measures those), or
-        once another key's wave runs."""
+        requests (``size`` in all), for their key's start cost on an idle or a busy
+        engine. A wave that starts requests replaces an open window: the engine
+        was empty before it (the open window's requests ended first, and the gap
+        is no start cost), or the new window, on a busy engine, measures the new
+        start. An open window also measures nothing once the engine was idle
+        before a wave, or once another key's wave runs."""
         idle = self.step_costs.is_idle(now)
-        if idle or not cached_ids or new:
-            self._start_window = None
         if new:
-            size = len(new) + len(cached_ids)
             self._start_window = _StartWindow(new[0].batch_key, idle, size, now, START_WINDOW_WAVES)
+        elif idle:
+            self._start_window = None
 
     def record_wave_cost(self, output: SchedulerOutput) -> None:
         """Feed the time ``output`` took to run (from its scheduling to now) to the
