@@ -282,18 +282,18 @@ def test_the_step_scheduler_learns_start_costs_from_the_waves_after_a_start() ->
         wave(seconds)
     cold = 0.0065 - 3 * costs.seconds_per_step(first.batch_key, 1)
     assert costs.start_seconds(first.batch_key, True) == pytest.approx(cold)
-    add(scheduler, "warm", num_inference_steps=4)
+    add(scheduler, "warm", arrival=clock[0], num_inference_steps=4)
     for seconds in (0.002, 0.001, 0.001):  # joins a busy engine: 1 ms beyond
         wave(seconds)
     assert costs.start_seconds(first.batch_key, False) == pytest.approx(0.001)
     while scheduler.requests:
         wave(0.001)
     clock[0] += 1.0
-    add(scheduler, "short", num_inference_steps=2)
+    add(scheduler, "short", arrival=clock[0], num_inference_steps=2)
     wave(0.004)
     wave(0.001)  # ends before its window closes
     clock[0] += 1.0
-    add(scheduler, "next", num_inference_steps=10)
+    add(scheduler, "next", arrival=clock[0], num_inference_steps=10)
     for seconds in (0.005, 0.001, 0.001):  # 4 ms beyond, on an idle engine
         wave(seconds)
     step_s = costs.seconds_per_step(first.batch_key, 1)
@@ -301,11 +301,12 @@ def test_the_step_scheduler_learns_start_costs_from_the_waves_after_a_start() ->
     assert costs.start_seconds(first.batch_key, True) == pytest.approx(cold)
     while scheduler.requests:
         wave(0.001)
-    add(scheduler, "brief", num_inference_steps=2)  # on a busy engine; ends in its window
+    # On a busy engine; it ends in its window.
+    add(scheduler, "brief", arrival=clock[0], num_inference_steps=2)
     wave(0.001)
     wave(0.001)
     clock[0] += IDLE_AFTER_S / 2  # empty, though not idle
-    add(scheduler, "after a pause", num_inference_steps=10)
+    add(scheduler, "after a pause", arrival=clock[0], num_inference_steps=10)
     busy = costs.start_seconds(first.batch_key, False)
     for seconds in (0.004, 0.001, 0.001):
         wave(seconds)
@@ -313,6 +314,38 @@ def test_the_step_scheduler_learns_start_costs_from_the_waves_after_a_start() ->
     assert costs.start_seconds(first.batch_key, True) == pytest.approx(cold)
     busy += 0.2 * (0.006 - 3 * step_s - busy)  # the pause is not in it either
     assert costs.start_seconds(first.batch_key, False) == pytest.approx(busy)
+
+
+def test_step_costs_count_the_time_between_steps_and_an_idle_start_its_admission() -> None:
+    """A running request pays for what the engine does between its steps
+    (delivering outputs, scheduling), so a step is timed from the end of the one
+    before; a request that starts on an idle engine pays for the time from its
+    arrival to its first wave, so its start window opens at its arrival."""
+    scheduler = make("step", max_num_seqs=4)
+    clock = [0.0]
+    scheduler.clock = lambda: clock[0]
+    costs = scheduler.step_costs
+    request = add(scheduler, "a", arrival=0.0, num_inference_steps=10)
+    key = request.batch_key
+    for _ in range(MIN_SAMPLES_FOR_BOUND):
+        costs.observe(key, 1, 0.001)
+    clock[0] = 0.0005  # the engine wakes up half a millisecond after the arrival
+    gap, step = 0.0002, 0.001
+    expected_step = 0.001
+    for index in range(10):
+        if index:
+            clock[0] += gap
+        out = scheduler.schedule(clock[0])
+        assert out is not None
+        clock[0] += 0.003 if index == 0 else step
+        run_wave(scheduler, out)
+        if index in (1, 2):
+            expected_step += 0.2 * (gap + step - expected_step)
+        if index == 2:
+            window_end = clock[0]
+            start_s = window_end - 3 * expected_step  # from the arrival, at 0
+            assert costs.start_seconds(key, True) == pytest.approx(start_s)
+    assert costs.seconds_per_step(key, 1) > 0.001 + gap / 2
 
 
 def test_a_start_inside_a_window_opens_a_new_one() -> None:

@@ -352,20 +352,29 @@ class BaseScheduler(abc.ABC):
         requests also builds their states (several ordinary steps' worth on
         digits), one that resumes them may bring their states back from host
         memory, and either taught the model a step far slower than the ones that
-        follow."""
+        follow.
+
+        A step-mode wave is timed from the end of the step before it: what the
+        engine does between two steps (applying results, delivering outputs,
+        scheduling) is part of what each step costs a running request. A wave
+        that starts requests on an idle engine is timed from their arrival."""
         now = self.clock()
         size = len(new) + len(cached_ids)
+        began = now
         if self.keeps_runner_state and size:
-            self._watch_start(new, size, now)
+            arrived = min((request.arrival_time for request in new), default=None)
+            known = [t for t in (self.step_costs.last_wave_end, arrived) if t is not None]
+            began = min(now, max(known, default=now))
+            self._watch_start(new, size, now, began)
             first = None if starts else self.requests.get(cached_ids[0])
             steps = 1
         else:
             first = new[0] if new else None
             steps = 0 if first is None else first.params.num_inference_steps
         if first is not None:
-            self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, now)
+            self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, began)
 
-    def _watch_start(self, new: list[Request], size: int, now: float) -> None:
+    def _watch_start(self, new: list[Request], size: int, now: float, began: float) -> None:
         """Step mode: time the :data:`START_WINDOW_WAVES` waves from one that starts
         requests (``size`` in all), for their key's start cost on an idle or a busy
         engine. A wave that starts requests replaces an open window: the engine
@@ -375,12 +384,14 @@ class BaseScheduler(abc.ABC):
         before a wave, or once another key's wave runs."""
         idle = self.step_costs.is_idle(now)
         if new:
-            self._start_window = _StartWindow(new[0].batch_key, idle, size, now, START_WINDOW_WAVES)
+            self._start_window = _StartWindow(
+                new[0].batch_key, idle, size, began, START_WINDOW_WAVES
+            )
         elif idle:
             self._start_window = None
 
     def record_wave_cost(self, output: SchedulerOutput) -> None:
-        """Feed the time ``output`` took to run (from its scheduling to now) to the
+        """Feed the time ``output`` took to run (from when its work began to now) to the
         step cost model. Call it first thing in :meth:`update_from_output`."""
         now = self.clock()
         if output.scheduled_ids:

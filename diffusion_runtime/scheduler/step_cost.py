@@ -89,6 +89,11 @@ class StepCostModel:
         """Record that a wave that ran steps ended at ``at`` (the scheduler's clock)."""
         self._last_wave_end = at
 
+    @property
+    def last_wave_end(self) -> float | None:
+        """When the last wave that ran steps ended (``None``: none yet)."""
+        return self._last_wave_end
+
     def is_idle(self, now: float) -> bool:
         """Whether no wave ended in the last :data:`IDLE_AFTER_S` before ``now``."""
         end = self._last_wave_end
