@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from diffusion_runtime import EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.bench.slo_sim import simulate
-from diffusion_runtime.bench.slo_trace import bursty_trace, poisson_trace
+from diffusion_runtime.bench.slo_trace import bursts, bursty_trace, poisson_trace
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.fsm import RequestMachine, RequestStatus
 from diffusion_runtime.scheduler import (
@@ -714,13 +714,24 @@ def test_a_policy_class_reaches_other_processes_only_where_it_schedules() -> Non
     assert worker_config(EngineConfig(scheduling_policy="edf")).scheduling_policy == "edf"
 
 
+def test_the_bursty_trace_splits_into_its_bursts_and_a_poisson_trace_into_one() -> None:
+    split = bursts(bursty_trace(32, 8, 0.4, seed=0))
+    assert [len(burst) for burst in split] == [8, 8, 8, 8]
+    assert all(len({a.offset_s for a in burst}) == 1 for burst in split)
+    assert [burst[0].offset_s for burst in split] == sorted(b[0].offset_s for b in split)
+    assert len(bursts(poisson_trace(32, 20.0, seed=0))) == 1
+
+
 def test_the_slo_benchmark_reports_attainment_and_paired_differences_at_a_tiny_size() -> None:
     from diffusion_runtime.bench.slo import POLICIES, run
 
-    report = run(count=4, burst_size=2, solo_repeats=1, rounds=2, scales=(1.2,))
+    # Bursts 0.1 ms apart on average: every burst but the last runs into the next.
+    report = run(count=4, burst_size=2, burst_gap_s=1e-4, solo_repeats=1, rounds=2, scales=(1.2,))
     for trace in ("poisson", "bursty"):
         results = report["traces"][trace]
         assert set(results) == set(POLICIES)
+        overruns = 2 if trace == "bursty" else 0  # one per round; a Poisson trace is one burst
+        assert all(results[policy]["overruns"] == overruns for policy in POLICIES)
         fifo = results["fifo"]["attainment"]["1.2"]
         for policy in POLICIES:
             attainment = results[policy]["attainment"]["1.2"]

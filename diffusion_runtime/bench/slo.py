@@ -8,7 +8,9 @@ step mode, one engine per policy. The run goes in rounds, several per scale:
 each round measures the solo latencies again (so the deadlines follow how
 fast a shared machine is at that moment), then every policy replays the
 trace against those same deadlines, in an order that rotates from round to
-round. Attainment is over all the rounds' requests, which averages out the
+round, and the bursty trace burst by burst: every policy serves a burst
+before any serves the next, so a slow spell of the machine falls on all of
+them alike. Attainment is over all the rounds' requests, which averages out the
 noise that decides the tightest scale, and each policy's ``versus_fifo``
 gives its paired difference from FIFO, round by round, with a standard
 error: near 1.0x a difference smaller than about two of those is noise.
@@ -36,6 +38,7 @@ from diffusion_runtime.bench.slo_trace import (
     CLASSES,
     Arrival,
     RequestClass,
+    bursts,
     bursty_trace,
     percentile,
     poisson_trace,
@@ -112,23 +115,36 @@ def serve_round(
 ) -> dict[str, dict[str, Any]]:
     """One round at one SLO scale: the solo latencies are measured again (so the
     deadlines follow how fast the shared machine is now), then every policy
-    replays the trace against the same deadlines, starting with policy number
-    ``first`` (rounds rotate the order, so no policy always goes first)."""
+    serves the trace against the same deadlines, burst by burst: each burst is
+    served by every policy in turn, starting with policy number ``first``
+    (rounds rotate the order), before the next burst. So the policies meet a
+    burst within a second or two of each other, and a slow spell of the shared
+    machine falls on them alike. Before its burst each engine idles for the
+    trace's gap from the burst before, as it would in the trace; a replay that
+    runs past the next burst's arrival is counted in ``overruns`` (there the
+    trace would have overlapped two bursts)."""
     solo = solo_latencies(next(iter(engines.values())), solo_repeats)
     deadlines: dict[str, float | None] = {name: scale * s for name, s in solo.items()}
     names = list(engines)
-    results = {}
-    for policy in names[first:] + names[:first]:
-        engine = engines[policy]
-        before = engine.core.scheduler.num_preemptions
-        outcomes, wall = asyncio.run(replay(engine, trace, deadlines))
-        results[policy] = {
-            "met": met(outcomes, solo, scale),
-            "solo": solo,
-            "outcomes": outcomes,
-            "wall_s": wall,
-            "preemptions": engine.core.scheduler.num_preemptions - before,
-        }
+    results: dict[str, dict[str, Any]] = {
+        policy: {"met": 0, "solo": solo, "outcomes": [], "wall_s": 0.0, "preemptions": 0,
+                 "overruns": 0}
+        for policy in names[first:] + names[:first]
+    }  # fmt: skip
+    split = bursts(trace)
+    for index, burst in enumerate(split):
+        since = split[index - 1][0].offset_s if index else 0.0
+        shifted = [attrs.evolve(arrival, offset_s=arrival.offset_s - since) for arrival in burst]
+        next_at = split[index + 1][0].offset_s - since if index + 1 < len(split) else None
+        for policy, result in results.items():
+            engine = engines[policy]
+            before = engine.core.scheduler.num_preemptions
+            outcomes, wall = asyncio.run(replay(engine, shifted, deadlines))
+            result["met"] += met(outcomes, solo, scale)
+            result["outcomes"] += outcomes
+            result["wall_s"] += wall
+            result["preemptions"] += engine.core.scheduler.num_preemptions - before
+            result["overruns"] += next_at is not None and wall > next_at
     return results
 
 
@@ -156,9 +172,10 @@ def serve_trace(
     """Every policy on one trace: ``rounds`` rounds per scale; attainment is the share
     of all the rounds' requests that met their deadline, and ``versus_fifo`` the
     paired difference from FIFO's. The latency table, goodput and preemptions
-    are those of the rounds at 1.2x."""
+    are those of the rounds at 1.2x; ``overruns`` counts, over every scale, the
+    bursts still being served when the next one arrived."""
     results: dict[str, dict[str, Any]] = {
-        policy: {"attainment": {}, "versus_fifo": {}} for policy in engines
+        policy: {"attainment": {}, "versus_fifo": {}, "overruns": 0} for policy in engines
     }
     for scale in scales:
         served = [
@@ -167,6 +184,7 @@ def serve_trace(
         ]
         for policy, result in results.items():
             mine = [one[policy] for one in served]
+            result["overruns"] += sum(r["overruns"] for r in mine)
             result["attainment"][str(scale)] = round(
                 sum(r["met"] for r in mine) / (len(trace) * rounds), 3
             )

@@ -41,9 +41,13 @@ CLASSES = (
 
 @attrs.frozen
 class Arrival:
+    """One request of a trace, ``offset_s`` after the trace starts. Arrivals of one
+    ``burst`` come at once; a Poisson trace is one burst, as it cannot be split."""
+
     offset_s: float
     kind: RequestClass
     seed: int
+    burst: int = 0
 
 
 def _pick(rng: random.Random) -> RequestClass:
@@ -66,8 +70,18 @@ def bursty_trace(count: int, burst_size: int, mean_gap_s: float, seed: int) -> l
     for index in range(count):
         if index % burst_size == 0:
             t += rng.expovariate(1.0 / mean_gap_s)
-        trace.append(Arrival(t, _pick(rng), index))
+        trace.append(Arrival(t, _pick(rng), index, index // burst_size))
     return trace
+
+
+def bursts(trace: list[Arrival]) -> list[list[Arrival]]:
+    """``trace`` split into its bursts, in order."""
+    split: list[list[Arrival]] = []
+    for arrival in trace:
+        if not split or split[-1][0].burst != arrival.burst:
+            split.append([])
+        split[-1].append(arrival)
+    return split
 
 
 def percentile(values: list[float], q: float) -> float:
