@@ -423,6 +423,28 @@ def test_slo_judges_a_request_that_has_not_started_by_what_its_start_costs(
     assert out.scheduled_ids == (("medium",) if engine_idle else ("short",))
 
 
+@pytest.mark.parametrize(("deadline_s", "first"), [(0.0098, "due"), (0.0094, "plain")])
+def test_slo_counts_a_request_that_has_not_started_as_on_time_within_its_start_margin(
+    deadline_s: float, first: str
+) -> None:
+    """A request needing 10 ms by the estimate, due in 9.8 ms (2 % short, within
+    the 5 % margin), is on time and goes before a request without a deadline;
+    due in 9.4 ms (6 % short) it is late and goes after it. Once started, it
+    gets no margin: it is judged at the fastest step instead."""
+    scheduler = make("step", max_num_seqs=1, scheduling_policy="slo")
+    policy = scheduler.policy
+    assert isinstance(policy, SloAwarePolicy) and policy.start_margin == 0.05
+    due = add(scheduler, "due", num_inference_steps=10, deadline_s=deadline_s)
+    add(scheduler, "plain", num_inference_steps=10)
+    for _ in range(MIN_SAMPLES_FOR_BOUND):
+        scheduler.step_costs.observe(due.batch_key, 1, 0.001)
+    assert policy.time_needed(due, engine_idle=True) == pytest.approx(0.010)
+    out = scheduler.schedule(0.0)
+    assert out is not None and out.scheduled_ids == (first,)
+    due.num_steps = 10  # as if it had run a step
+    assert policy.judged_time(due, engine_idle=True) == policy.time_needed(due, engine_idle=True)
+
+
 def test_slo_judges_a_request_restarted_by_a_request_mode_preemption_as_not_started() -> None:
     """In request mode a preempted request restarts from its first step: it is
     judged like a request that never ran, not by the fastest-step bound."""

@@ -94,7 +94,8 @@ class SloAwarePolicy(SchedulingPolicy):
     its deadline for sure (and flips with the noise of each step). One that
     has not started yet is judged on what its start will really cost: the
     start cost learnt for its key (on an idle engine, the slow first steps of
-    a cold machine) plus its steps at the average step. Requests that can no
+    a cold machine) plus its steps at the average step, with a margin of
+    :attr:`start_margin` (see :meth:`judged_time`). Requests that can no
     longer make it are demoted behind every request that can (and behind
     requests without a deadline), so an overload sacrifices the fewest
     requests instead of making every one late: plain earliest deadline first
@@ -105,6 +106,9 @@ class SloAwarePolicy(SchedulingPolicy):
     """
 
     preemptive = True
+    #: The share of its estimated time by which a request that has not started may
+    #: look late and still count as able to make its deadline (see :meth:`judged_time`).
+    start_margin: ClassVar[float] = 0.05
 
     def time_needed(
         self, request: Request, engine_idle: bool, batch_size: int | None = None
@@ -121,11 +125,24 @@ class SloAwarePolicy(SchedulingPolicy):
         start_s = costs.start_seconds(key, engine_idle)
         return start_s + request.remaining_steps * costs.seconds_per_step(key, batch_size)
 
+    def judged_time(
+        self, request: Request, engine_idle: bool, batch_size: int | None = None
+    ) -> float:
+        """The time :meth:`rank` and :meth:`choose_batch` hold against the deadline:
+        :meth:`time_needed`, less :attr:`start_margin` of it for a request that has
+        not started. A start's estimate misses by a few percent either way (the
+        machine's speed drifts), and a request demoted by such a miss surely
+        loses its deadline, while one started by such a miss risks only its own."""
+        needed = self.time_needed(request, engine_idle, batch_size)
+        if request.num_steps is not None:
+            return needed
+        return needed / (1.0 + self.start_margin)
+
     def rank(self, request: Request, now: float) -> Rank:
         priority = request.params.priority
         if request.deadline is None:
             return (_NO_DEADLINE, 0.0, priority)
-        remaining_s = self.time_needed(request, self.costs.is_idle(now))
+        remaining_s = self.judged_time(request, self.costs.is_idle(now))
         if request.deadline - now < remaining_s:
             return (_LATE, remaining_s, priority)
         return (_ON_TIME, request.deadline, priority)
@@ -156,13 +173,13 @@ class SloAwarePolicy(SchedulingPolicy):
     def _deadlines_met(self, order: Sequence[Sequence[Request]], now: float) -> int:
         """How many requests meet their deadline if ``order``'s batches run one after
         another, each from its start until its slowest request is done, each
-        request taking :meth:`time_needed` at its batch's size (the first batch
+        request taking :meth:`judged_time` at its batch's size (the first batch
         starts on the engine as it is now, the others on a busy one)."""
         met, start, idle = 0, now, self.costs.is_idle(now)
         for batch in order:
             end = start
             for request in batch:
-                finish = start + self.time_needed(request, idle, len(batch))
+                finish = start + self.judged_time(request, idle, len(batch))
                 met += request.deadline is not None and finish <= request.deadline
                 end = max(end, finish)
             start, idle = end, False

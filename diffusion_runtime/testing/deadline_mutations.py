@@ -74,7 +74,7 @@ def slo_serves_late_requests_first() -> Patch:
             priority = request.params.priority
             if request.deadline is None:
                 return (1, 0.0, priority)
-            if request.deadline - now < self.time_needed(request, self.costs.is_idle(now)):
+            if request.deadline - now < self.judged_time(request, self.costs.is_idle(now)):
                 return (-1, request.deadline, priority)  # "already late: the most urgent"
             return (0, request.deadline, priority)
 
