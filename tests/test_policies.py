@@ -348,6 +348,36 @@ def test_step_costs_count_the_time_between_steps_and_an_idle_start_its_admission
     assert costs.seconds_per_step(key, 1) > 0.001 + gap / 2
 
 
+def test_a_pause_is_neither_step_nor_start_cost() -> None:
+    """Time without work (a paused engine, control calls, a harness moving its
+    virtual clock) is not what a step or a start costs: a wave scheduled
+    :data:`IDLE_AFTER_S` or more after the step before it, or after its request
+    arrived, is timed from its scheduling."""
+    scheduler = make("step", max_num_seqs=4)
+    clock = [0.0]
+    scheduler.clock = lambda: clock[0]
+    costs = scheduler.step_costs
+    first = add(scheduler, "first", arrival=0.0, num_inference_steps=4)
+    key = first.batch_key
+    for _ in range(MIN_SAMPLES_FOR_BOUND):
+        costs.observe(key, 1, 0.001)
+    while scheduler.requests:
+        clock[0] += 5.0  # paused before every step
+        out = scheduler.schedule(clock[0])
+        assert out is not None
+        clock[0] += 0.001
+        run_wave(scheduler, out)
+    assert costs.seconds_per_step(key, 1) == pytest.approx(0.001)
+    add(scheduler, "queued", arrival=clock[0], num_inference_steps=4)
+    clock[0] += 1.0  # admitted, then the engine only takes it up a second later
+    for seconds in (0.002, 0.001, 0.001):
+        out = scheduler.schedule(clock[0])
+        assert out is not None
+        clock[0] += seconds
+        run_wave(scheduler, out)
+    assert costs.start_seconds(key, True) == pytest.approx(0.001)
+
+
 def test_a_start_inside_a_window_opens_a_new_one() -> None:
     """The first waves after a request joins another's start are the joiner's start
     (on a busy engine): the first start's measurement is dropped, not mixed in."""

@@ -119,10 +119,13 @@ def serve_round(
     served by every policy in turn, starting with policy number ``first``
     (rounds rotate the order), before the next burst. So the policies meet a
     burst within a second or two of each other, and a slow spell of the shared
-    machine falls on them alike. Before its burst each engine idles for the
-    trace's gap from the burst before, as it would in the trace; a replay that
-    runs past the next burst's arrival is counted in ``overruns`` (there the
-    trace would have overlapped two bursts)."""
+    machine falls on them alike. Before its burst each engine waits out the
+    trace's gap from the burst before (the other policies' turns come on top),
+    so every burst starts on an idle engine; a replay that runs past the next
+    burst's arrival is counted in ``overruns`` (there the trace would have
+    overlapped two bursts, and the split changes the load). ``wall_s`` is
+    what the trace would have taken: each burst's time up to the next one's
+    arrival, and the last burst's in full."""
     solo = solo_latencies(next(iter(engines.values())), solo_repeats)
     deadlines: dict[str, float | None] = {name: scale * s for name, s in solo.items()}
     names = list(engines)
@@ -142,7 +145,7 @@ def serve_round(
             outcomes, wall = asyncio.run(replay(engine, shifted, deadlines))
             result["met"] += met(outcomes, solo, scale)
             result["outcomes"] += outcomes
-            result["wall_s"] += wall
+            result["wall_s"] += wall if next_at is None else min(wall, next_at)
             result["preemptions"] += engine.core.scheduler.num_preemptions - before
             result["overruns"] += next_at is not None and wall > next_at
     return results

@@ -24,7 +24,7 @@ from diffusion_runtime.fsm import (
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.policies import SchedulingPolicy, resolve_policy_class
 from diffusion_runtime.scheduler.request import Request
-from diffusion_runtime.scheduler.step_cost import StepCostModel
+from diffusion_runtime.scheduler.step_cost import IDLE_AFTER_S, StepCostModel
 
 #: The states in which a request whose deadline passes is dropped (``deadline_miss="drop"``).
 _DROPPABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -354,17 +354,22 @@ class BaseScheduler(abc.ABC):
         memory, and either taught the model a step far slower than the ones that
         follow.
 
-        A step-mode wave is timed from the end of the step before it: what the
+        A step-mode wave's work begins at the end of the step before it, or at the
+        arrival of the first request it starts if that came later: what the
         engine does between two steps (applying results, delivering outputs,
-        scheduling) is part of what each step costs a running request. A wave
-        that starts requests on an idle engine is timed from their arrival."""
+        scheduling) is part of what each step costs a running request, and an
+        idle engine's time to take up a request is part of its start. A gap of
+        :data:`IDLE_AFTER_S` or more (a pause, control calls) is no such cost:
+        the wave's work then begins at its scheduling."""
         now = self.clock()
         size = len(new) + len(cached_ids)
         began = now
         if self.keeps_runner_state and size:
             arrived = min((request.arrival_time for request in new), default=None)
             known = [t for t in (self.step_costs.last_wave_end, arrived) if t is not None]
-            began = min(now, max(known, default=now))
+            began = max(known, default=now)
+            if not 0.0 <= now - began < IDLE_AFTER_S:
+                began = now
             self._watch_start(new, size, now, began)
             first = None if starts else self.requests.get(cached_ids[0])
             steps = 1

@@ -136,7 +136,7 @@ class SloAwarePolicy(SchedulingPolicy):
         needed = self.time_needed(request, engine_idle, batch_size)
         if request.num_steps is not None:
             return needed
-        return needed / (1.0 + self.start_margin)
+        return needed * (1.0 - self.start_margin)
 
     def rank(self, request: Request, now: float) -> Rank:
         priority = request.params.priority
@@ -173,15 +173,16 @@ class SloAwarePolicy(SchedulingPolicy):
     def _deadlines_met(self, order: Sequence[Sequence[Request]], now: float) -> int:
         """How many requests meet their deadline if ``order``'s batches run one after
         another, each from its start until its slowest request is done, each
-        request taking :meth:`judged_time` at its batch's size (the first batch
-        starts on the engine as it is now, the others on a busy one)."""
+        request taking :meth:`time_needed` at its batch's size (the first batch
+        starts on the engine as it is now, the others on a busy one); a request
+        counts as meeting it by its :meth:`judged_time`."""
         met, start, idle = 0, now, self.costs.is_idle(now)
         for batch in order:
             end = start
             for request in batch:
-                finish = start + self.judged_time(request, idle, len(batch))
-                met += request.deadline is not None and finish <= request.deadline
-                end = max(end, finish)
+                judged = start + self.judged_time(request, idle, len(batch))
+                met += request.deadline is not None and judged <= request.deadline
+                end = max(end, start + self.time_needed(request, idle, len(batch)))
             start, idle = end, False
         return met
 
