@@ -316,19 +316,27 @@ def test_the_step_scheduler_learns_start_costs_from_the_waves_after_a_start() ->
     assert costs.start_seconds(first.batch_key, False) == pytest.approx(busy)
 
 
+def step_scheduler_on_a_virtual_clock(
+    num_inference_steps: int,
+) -> tuple[BaseScheduler, list[float], Request]:
+    """A step scheduler whose clock is ``clock[0]`` (0 at first), holding one request
+    that arrived at 0, with 1 ms steps measured (enough to count as the bound)."""
+    scheduler = make("step", max_num_seqs=4)
+    clock = [0.0]
+    scheduler.clock = lambda: clock[0]
+    request = add(scheduler, "first", arrival=0.0, num_inference_steps=num_inference_steps)
+    for _ in range(MIN_SAMPLES_FOR_BOUND):
+        scheduler.step_costs.observe(request.batch_key, 1, 0.001)
+    return scheduler, clock, request
+
+
 def test_step_costs_count_the_time_between_steps_and_an_idle_start_its_admission() -> None:
     """A running request pays for what the engine does between its steps
     (delivering outputs, scheduling), so a step is timed from the end of the one
     before; a request that starts on an idle engine pays for the time from its
     arrival to its first wave, so its start window opens at its arrival."""
-    scheduler = make("step", max_num_seqs=4)
-    clock = [0.0]
-    scheduler.clock = lambda: clock[0]
-    costs = scheduler.step_costs
-    request = add(scheduler, "a", arrival=0.0, num_inference_steps=10)
-    key = request.batch_key
-    for _ in range(MIN_SAMPLES_FOR_BOUND):
-        costs.observe(key, 1, 0.001)
+    scheduler, clock, request = step_scheduler_on_a_virtual_clock(num_inference_steps=10)
+    costs, key = scheduler.step_costs, request.batch_key
     clock[0] = 0.0005  # the engine wakes up half a millisecond after the arrival
     gap, step = 0.0002, 0.001
     expected_step = 0.001
@@ -353,14 +361,8 @@ def test_a_pause_is_neither_step_nor_start_cost() -> None:
     virtual clock) is not what a step or a start costs: a wave scheduled
     :data:`IDLE_AFTER_S` or more after the step before it, or after its request
     arrived, is timed from its scheduling."""
-    scheduler = make("step", max_num_seqs=4)
-    clock = [0.0]
-    scheduler.clock = lambda: clock[0]
-    costs = scheduler.step_costs
-    first = add(scheduler, "first", arrival=0.0, num_inference_steps=4)
-    key = first.batch_key
-    for _ in range(MIN_SAMPLES_FOR_BOUND):
-        costs.observe(key, 1, 0.001)
+    scheduler, clock, first = step_scheduler_on_a_virtual_clock(num_inference_steps=4)
+    costs, key = scheduler.step_costs, first.batch_key
     while scheduler.requests:
         clock[0] += 5.0  # paused before every step
         out = scheduler.schedule(clock[0])
