@@ -133,10 +133,10 @@ class SloAwarePolicy(SchedulingPolicy):
         not started. A start's estimate misses by a few percent either way (the
         machine's speed drifts), and a request demoted by such a miss surely
         loses its deadline, while one started by such a miss risks only its own."""
-        needed = self.time_needed(request, engine_idle, batch_size)
-        if request.num_steps is not None:
-            return needed
-        return needed * (1.0 - self.start_margin)
+        return self._less_margin(request, self.time_needed(request, engine_idle, batch_size))
+
+    def _less_margin(self, request: Request, needed: float) -> float:
+        return needed if request.num_steps is not None else needed * (1.0 - self.start_margin)
 
     def rank(self, request: Request, now: float) -> Rank:
         priority = request.params.priority
@@ -180,9 +180,10 @@ class SloAwarePolicy(SchedulingPolicy):
         for batch in order:
             end = start
             for request in batch:
-                judged = start + self.judged_time(request, idle, len(batch))
+                needed = self.time_needed(request, idle, len(batch))
+                judged = start + self._less_margin(request, needed)
                 met += request.deadline is not None and judged <= request.deadline
-                end = max(end, start + self.time_needed(request, idle, len(batch)))
+                end = max(end, start + needed)
             start, idle = end, False
         return met
 
