@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import attrs
@@ -76,12 +77,7 @@ def bursty_trace(count: int, burst_size: int, mean_gap_s: float, seed: int) -> l
 
 def bursts(trace: list[Arrival]) -> list[list[Arrival]]:
     """``trace`` split into its bursts, in order."""
-    split: list[list[Arrival]] = []
-    for arrival in trace:
-        if not split or split[-1][0].burst != arrival.burst:
-            split.append([])
-        split[-1].append(arrival)
-    return split
+    return [list(burst) for _, burst in itertools.groupby(trace, key=lambda a: a.burst)]
 
 
 def percentile(values: list[float], q: float) -> float:
