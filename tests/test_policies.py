@@ -101,6 +101,20 @@ class ShortestFirst(SchedulingPolicy):
         return (request.remaining_steps,)
 
 
+def test_a_policys_ranks_are_compared_whole_before_admission_order() -> None:
+    """Ranks of different lengths: the shorter of two that agree as far as it goes
+    is the better one (tuple order), whatever the admission order says."""
+
+    class MixedLengths(SchedulingPolicy):
+        def rank(self, request: Request, now: float) -> tuple[float, ...]:
+            return (1.0,) if request.request_id == "first" else (1.0, -5.0)
+
+    scheduler = make(max_num_seqs=1, scheduling_policy=MixedLengths)
+    add(scheduler, "first")
+    add(scheduler, "second")
+    assert waves(scheduler) == [["first"], ["second"]]
+
+
 def test_a_users_policy_is_given_as_a_class_or_an_import_path() -> None:
     assert resolve_policy_class(ShortestFirst) is ShortestFirst
     assert resolve_policy_class("test_policies:ShortestFirst") is ShortestFirst
@@ -428,6 +442,33 @@ def test_a_start_window_that_runs_another_key_measures_nothing() -> None:
     )
 
 
+def test_a_start_window_whose_requests_left_measures_nothing() -> None:
+    """A request that preempts another and ends within its window: the 30 ms the
+    engine then stood empty (less than IDLE_AFTER_S), and the wave that
+    resumes the other, are not its start."""
+    scheduler = make("step", max_num_seqs=1, scheduling_policy="priority")
+    clock = [0.0]
+    scheduler.clock = lambda: clock[0]
+    paused = add(scheduler, "paused", num_inference_steps=6, priority=5)
+    for _ in range(MIN_SAMPLES_FOR_BOUND):
+        scheduler.step_costs.observe(paused.batch_key, 1, 0.001)
+
+    def wave() -> tuple[str, ...]:
+        out = scheduler.schedule(clock[0])
+        assert out is not None
+        clock[0] += 0.001
+        run_wave(scheduler, out)
+        return out.scheduled_ids
+
+    assert [wave() for _ in range(3)] == [("paused",)] * 3
+    add(scheduler, "brief", clock[0], num_inference_steps=2, priority=0)
+    assert [wave(), wave()] == [("brief",), ("brief",)]  # in the window that its start opened
+    assert paused.state is S.PREEMPTED and "brief" not in scheduler.requests
+    clock[0] += 0.03
+    assert wave() == ("paused",)
+    assert scheduler.step_costs.start_seconds(paused.batch_key, False) == 0.0
+
+
 @pytest.mark.parametrize("engine_idle", [True, False])
 def test_slo_judges_a_request_that_has_not_started_by_what_its_start_costs(
     engine_idle: bool,
@@ -679,6 +720,31 @@ def test_no_request_starves_under_a_stream_of_better_ranked_ones(
     # A policy that does not preempt first lets the running (2-step) rivals finish.
     assert scheduled_at is not None and scheduled_at <= AGING_S + 2 * TICK_S
     assert victim.state is S.FINISHED_COMPLETED
+
+
+def test_an_aged_request_is_passed_only_by_older_ones_without_preemption() -> None:
+    """Step mode, a policy that reorders but does not preempt: once B (another key)
+    has aged, a younger request of the running key may not join the running set,
+    or B would wait for all its steps too; older ones of that key still may."""
+    scheduler = make("step", max_num_seqs=3, scheduling_policy=ShortestFirst,
+                     scheduling_aging_s=AGING_S)  # fmt: skip
+    add(scheduler, "running", 0.0, num_inference_steps=2)
+    out = scheduler.schedule(0.0)
+    assert out is not None
+    run_wave(scheduler, out)
+    add(scheduler, "older", 0.1, num_inference_steps=50)
+    add(scheduler, "B", 0.2, num_inference_steps=5, height=16, width=16)
+    add(scheduler, "younger", AGING_S + 0.15, num_inference_steps=200)
+    now = AGING_S + 0.2  # "older" and B have aged, "younger" has not
+    out = scheduler.schedule(now)
+    assert out is not None and set(out.scheduled_ids) == {"running", "older"}
+    while "B" not in out.scheduled_ids:
+        run_wave(scheduler, out)
+        now += TICK_S
+        out = scheduler.schedule(now)
+        assert out is not None
+    assert now == pytest.approx(AGING_S + 0.2 + 50 * TICK_S)  # after "older", its 50 steps
+    assert scheduler.requests["younger"].state is S.WAITING
 
 
 def test_without_aging_the_same_stream_starves_the_victim() -> None:

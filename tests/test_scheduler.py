@@ -7,7 +7,7 @@ import torch
 
 from diffusion_runtime import DuplicateRequestError, EngineConfig, QueueFullError, SamplingParams
 from diffusion_runtime.contracts import RunnerOutput
-from diffusion_runtime.fsm import RequestMachine, RequestStatus
+from diffusion_runtime.fsm import LifecycleViolation, RequestMachine, RequestStatus
 from diffusion_runtime.scheduler import BaseScheduler, Request, RequestScheduler
 
 S = RequestStatus
@@ -105,6 +105,16 @@ def test_duplicate_active_ids_are_rejected_but_ids_can_be_reused_after_finish() 
     scheduler.abort_request("x", "done")
     add(scheduler, "x")
     assert scheduler.num_waiting == 1
+
+
+def test_a_finished_request_object_added_again_is_refused_and_leaves_nothing() -> None:
+    scheduler = make()
+    first = add(scheduler, "x")
+    scheduler.abort_request("x", "done")
+    with pytest.raises(LifecycleViolation, match="'x'"):
+        scheduler.add_request(first)
+    assert not scheduler.requests and not scheduler.waiting
+    assert scheduler.schedule(now=0.0) is None
 
 
 def test_queue_bound() -> None:

@@ -55,6 +55,7 @@ class _StartWindow(NamedTuple):
     """The waves after requests started on a step-mode engine, being timed."""
 
     key: Hashable
+    request_ids: frozenset[str]
     idle: bool
     batch_size: int
     started: float
@@ -123,12 +124,13 @@ class BaseScheduler(abc.ABC):
                 f"waiting queue is full ({self.max_waiting_requests} requests); retry later"
             )
         request.order = next(self._admissions)
+        finished_before = request.state.is_finished  # a reused request: admit refuses it
         self.requests[request.request_id] = request
         self.waiting[request.request_id] = request
         try:
             self.machine.admit(request)
         except BaseException:
-            if request.state.is_finished:  # its terminal hook already cleaned up
+            if request.state.is_finished and not finished_before:  # its terminal hook cleaned up
                 raise
             del self.requests[request.request_id], self.waiting[request.request_id]
             raise
@@ -234,10 +236,12 @@ class BaseScheduler(abc.ABC):
 
     def effective_rank(self, request: Request, now: float) -> tuple[Any, ...]:
         """The policy's rank, overruled by aging: a request in the engine for
-        ``scheduling_aging_s`` goes before every younger one, in admission order."""
+        ``scheduling_aging_s`` goes before every younger one, in admission order.
+        The policy's rank is kept whole, so ties go to admission order even if
+        its ranks differ in length."""
         if self.is_aged(request, now):
             return (0, request.order)
-        return (1, *self.policy.rank(request, now), request.order)
+        return (1, tuple(self.policy.rank(request, now)), request.order)
 
     def plan(self, now: float, *, may_preempt: bool) -> tuple[list[Request], list[Request]]:
         """``(running requests to preempt, waiting requests to schedule)`` for the next wave.
@@ -249,9 +253,9 @@ class BaseScheduler(abc.ABC):
         requests of other keys are skipped, not waited for (head-of-line
         bypass). With ``may_preempt`` and a preemptive policy, running requests
         compete with waiting ones and those left out are preempted. Without
-        preemption the running set keeps its key, except that an aged request
-        of another key stops admission until the running set drains (so it
-        cannot starve).
+        preemption the running set keeps its key, except that once a request of
+        another key has aged, only requests admitted before it may join, until
+        the running set drains (so it cannot starve).
         """
         if not self.policy.reorders:
             return [], self.next_wave()
@@ -275,9 +279,14 @@ class BaseScheduler(abc.ABC):
         running = next(iter(self.running.values()), None)
         if running is None:
             return [], self._choose_batch(waiting, now)
-        if waiting[0].batch_key != running.batch_key and self.is_aged(waiting[0], now):
-            return [], []  # drain the running set: the aged request's key goes next
-        return [], [r for r in waiting if r.batch_key == running.batch_key][:free]
+        joining = [r for r in waiting if r.batch_key == running.batch_key]
+        # Aged requests rank first, in admission order. One of another key may be
+        # passed only by requests admitted before it, while the running set drains.
+        aged = itertools.takewhile(lambda request: self.is_aged(request, now), waiting)
+        blocked = next((r for r in aged if r.batch_key != running.batch_key), None)
+        if blocked is not None:
+            joining = [r for r in joining if r.order < blocked.order]
+        return [], joining[:free]
 
     def _choose_batch(self, ranked: list[Request], now: float) -> list[Request]:
         """The batch to run among ``ranked`` requests (best first)."""
@@ -386,11 +395,13 @@ class BaseScheduler(abc.ABC):
         was empty before it (the open window's requests ended first, and the gap
         is no start cost), or the new window, on a busy engine, measures the new
         start. An open window also measures nothing once the engine was idle
-        before a wave, or once another key's wave runs."""
+        before a wave, or once a wave runs none of the requests it started
+        (they ended or were preempted, or another key's wave runs)."""
         idle = self.step_costs.is_idle(now)
         if new:
+            started = frozenset(request.request_id for request in new)
             self._start_window = _StartWindow(
-                new[0].batch_key, idle, size, began, START_WINDOW_WAVES
+                new[0].batch_key, started, idle, size, began, START_WINDOW_WAVES
             )
         elif idle:
             self._start_window = None
@@ -408,10 +419,8 @@ class BaseScheduler(abc.ABC):
             self.step_costs.observe(timing.key, timing.batch_size, seconds / timing.steps)
         window = self._start_window
         if window is not None and output.scheduled_ids:
-            ran = (self.requests.get(rid) for rid in output.scheduled_ids)
-            first = next((request for request in ran if request is not None), None)
-            if first is None or first.batch_key != window.key:  # another key's wave
-                self._start_window = None
+            if window.request_ids.isdisjoint(output.scheduled_ids):
+                self._start_window = None  # its requests left, or another key's wave ran
                 return
             if window.waves_left > 1:
                 self._start_window = window._replace(waves_left=window.waves_left - 1)
