@@ -332,13 +332,19 @@ def test_the_step_scheduler_learns_start_costs_from_the_waves_after_a_start() ->
 
 def step_scheduler_on_a_virtual_clock(
     num_inference_steps: int,
+    *,
+    policy: str = "fifo",
+    max_num_seqs: int = 4,
+    rid: str = "first",
+    priority: int = 0,
 ) -> tuple[BaseScheduler, list[float], Request]:
     """A step scheduler whose clock is ``clock[0]`` (0 at first), holding one request
     that arrived at 0, with 1 ms steps measured (enough to count as the bound)."""
-    scheduler = make("step", max_num_seqs=4)
+    scheduler = make("step", max_num_seqs=max_num_seqs, scheduling_policy=policy)
     clock = [0.0]
     scheduler.clock = lambda: clock[0]
-    request = add(scheduler, "first", arrival=0.0, num_inference_steps=num_inference_steps)
+    request = add(scheduler, rid, arrival=0.0, num_inference_steps=num_inference_steps,
+                  priority=priority)  # fmt: skip
     for _ in range(MIN_SAMPLES_FOR_BOUND):
         scheduler.step_costs.observe(request.batch_key, 1, 0.001)
     return scheduler, clock, request
@@ -419,12 +425,9 @@ def test_a_start_inside_a_window_opens_a_new_one() -> None:
 def test_a_start_window_that_runs_another_key_measures_nothing() -> None:
     """A request preempted right after its start: the waves that follow are
     another key's, whose time says nothing about the first one's start."""
-    scheduler = make("step", max_num_seqs=1, scheduling_policy="priority")
-    clock = [0.0]
-    scheduler.clock = lambda: clock[0]
-    low = add(scheduler, "low", num_inference_steps=6, priority=1)
-    for _ in range(MIN_SAMPLES_FOR_BOUND):
-        scheduler.step_costs.observe(low.batch_key, 1, 0.001)
+    scheduler, clock, low = step_scheduler_on_a_virtual_clock(
+        6, policy="priority", max_num_seqs=1, rid="low", priority=1
+    )
     out = scheduler.schedule(0.0)
     assert out is not None and out.scheduled_ids == ("low",)
     clock[0] += 0.004
@@ -446,12 +449,9 @@ def test_a_start_window_whose_requests_left_measures_nothing() -> None:
     """A request that preempts another and ends within its window: the 30 ms the
     engine then stood empty (less than IDLE_AFTER_S), and the wave that
     resumes the other, are not its start."""
-    scheduler = make("step", max_num_seqs=1, scheduling_policy="priority")
-    clock = [0.0]
-    scheduler.clock = lambda: clock[0]
-    paused = add(scheduler, "paused", num_inference_steps=6, priority=5)
-    for _ in range(MIN_SAMPLES_FOR_BOUND):
-        scheduler.step_costs.observe(paused.batch_key, 1, 0.001)
+    scheduler, clock, paused = step_scheduler_on_a_virtual_clock(
+        6, policy="priority", max_num_seqs=1, rid="paused", priority=5
+    )
 
     def wave() -> tuple[str, ...]:
         out = scheduler.schedule(clock[0])
