@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import heapq
 import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -279,13 +280,12 @@ class BaseScheduler(abc.ABC):
         running = next(iter(self.running.values()), None)
         if running is None:
             return [], self._choose_batch(waiting, now)
-        joining = [r for r in waiting if r.batch_key == running.batch_key]
         # Aged requests rank first, in admission order. One of another key may be
         # passed only by requests admitted before it, while the running set drains.
         aged = itertools.takewhile(lambda request: self.is_aged(request, now), waiting)
         blocked = next((r for r in aged if r.batch_key != running.batch_key), None)
-        if blocked is not None:
-            joining = [r for r in joining if r.order < blocked.order]
+        before = math.inf if blocked is None else blocked.order
+        joining = [r for r in waiting if r.batch_key == running.batch_key and r.order < before]
         return [], joining[:free]
 
     def _choose_batch(self, ranked: list[Request], now: float) -> list[Request]:
