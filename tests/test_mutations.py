@@ -20,6 +20,7 @@ from diffusion_runtime.testing.core_harness import CoreLifecycleMachine, core_li
 from diffusion_runtime.testing.deadline_harness import (
     TICK_S,
     DeadlineCoreLifecycleMachine,
+    PatientEarliestDeadline,
     tick_deadlines,
 )
 from diffusion_runtime.testing.harness import EngineLifecycleMachine, lifecycle_machine
@@ -38,6 +39,10 @@ STAGE_PASS_EXAMPLES = 40
 CATCH_LIMIT_S = 60.0
 #: Examples for each passing run of the deadline harness (three run by default).
 DEADLINE_EXAMPLES = 100
+#: Examples for the patient target to catch a mutation: its bugs need a running set
+#: with two places free while aged requests of both keys and a young one of the
+#: running key wait (about 800 examples; each takes about 13 ms).
+PATIENT_EXAMPLES = 2500
 
 FAST_SUBSET = {
     "results-by-position",
@@ -106,6 +111,12 @@ REQUIRED_REACH = {
         "path: a deadline fell exactly on a step": 5,
         "path: an aged request ran first": 30,
     },
+    "deadline-patient": {
+        "path: an aged request waited for a running set to drain": 12,
+        "path: an earlier deadline went first without preemption": 150,
+        "path: an aged request ran first": 30,
+        "path: a late request completed": 30,
+    },
     "front": {
         "path: close with blocked readers": 5,
         "path: consumer dropped while its request was active": 5,
@@ -134,11 +145,17 @@ def params(
     )
 
 
-def config(mode: str, backend: str = "uni", policy: str = "fifo", **more: Any) -> EngineConfig:
+def config(
+    mode: str,
+    backend: str = "uni",
+    policy: str | type = "fifo",
+    max_num_seqs: int = 2,  # small, so waves fill up and overfill when a policy is wrong
+    **more: Any,
+) -> EngineConfig:
     return EngineConfig(
         pipeline="testing-faults",
         device="cpu",
-        max_num_seqs=2,  # small, so waves fill up and overfill when a policy is wrong
+        max_num_seqs=max_num_seqs,
         execution_mode=mode,
         executor_backend=backend,
         streaming_output=mode == "step",  # streaming selects step mode
@@ -177,12 +194,18 @@ def preempt_harness() -> type[CoreLifecycleMachine]:
 
 
 def deadline_harness(
-    policy: str = "slo", miss: str = "drop", mode: str = "step"
+    policy: str | type = "slo", miss: str = "drop", mode: str = "step", max_num_seqs: int = 2
 ) -> type[CoreLifecycleMachine]:
     """The core on a virtual clock under a deadline-aware policy: deadlines and
     priorities drawn per request; aging after 24 ticks, so it is reached."""
     return core_lifecycle_machine(
-        lambda: config(mode, policy=policy, deadline_miss=miss, scheduling_aging_s=24 * TICK_S),
+        lambda: config(
+            mode,
+            policy=policy,
+            max_num_seqs=max_num_seqs,
+            deadline_miss=miss,
+            scheduling_aging_s=24 * TICK_S,
+        ),
         prompts=st.sampled_from(["cat", "dog", 7]),
         failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
         fatal_prompts=st.just("device-fault"),
@@ -190,6 +213,13 @@ def deadline_harness(
         rpc_timeouts=st.sampled_from([1e-6, None, 5.0]),
         base=DeadlineCoreLifecycleMachine,
     )
+
+
+def patient_harness() -> type[CoreLifecycleMachine]:
+    """The deadline harness under a policy that reorders but never preempts, with
+    room for three: a running set with places free while an aged request of
+    another key waits (the aging bound's form without preemption)."""
+    return deadline_harness(PatientEarliestDeadline, "run_late", max_num_seqs=3)
 
 
 def front_harness(mode: str) -> type[EngineLifecycleMachine]:
@@ -238,6 +268,8 @@ def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
         return stage_harness(mode)
     if target == "preempt":
         return preempt_harness()
+    if target == "deadline-patient":
+        return patient_harness()
     if target.startswith("deadline-"):
         return deadline_harness("slo", target.removeprefix("deadline-"))
     return core_harness(mode, "mp" if target == "mp" else "uni")
@@ -253,6 +285,7 @@ def test_catalogue_is_large_and_named_uniquely() -> None:
         "preempt",
         "deadline-drop",
         "deadline-run_late",
+        "deadline-patient",
         "stage",
     }
     assert {m.name for m in CATALOGUE} >= FAST_SUBSET
@@ -292,6 +325,14 @@ def test_the_real_runtime_meets_deadlines_on_a_virtual_clock(policy: str, miss: 
     assert engine_threads() == []
 
 
+def test_the_real_runtime_keeps_the_aging_bound_without_preemption() -> None:
+    machine = patient_harness()
+    assert hunt(None, machine, max_examples=DEADLINE_EXAMPLES) is None
+    print(machine.reach.table())
+    assert not machine.reach.missing(REQUIRED_REACH["deadline-patient"]), machine.reach.table()
+    assert engine_threads() == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("policy", "miss", "mode"),
@@ -321,7 +362,11 @@ def test_the_real_runtime_passes_on_the_stage(mode: str) -> None:
 
 
 def catch(mutation: Mutation) -> None:
-    examples = {"mp": MP_EXAMPLES, "stage": STAGE_EXAMPLES}.get(mutation.target, MAX_EXAMPLES)
+    examples = {
+        "mp": MP_EXAMPLES,
+        "stage": STAGE_EXAMPLES,
+        "deadline-patient": PATIENT_EXAMPLES,
+    }.get(mutation.target, MAX_EXAMPLES)
     start = time.monotonic()
     caught = hunt(mutation, harness_for(mutation.target, mutation.mode), max_examples=examples)
     elapsed = time.monotonic() - start

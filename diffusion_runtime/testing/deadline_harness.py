@@ -1,5 +1,6 @@
 """The preemptive core harness on a virtual clock: deadlines, aging and the
-deadline-aware policies (``edf``, ``slo``), checked deterministically.
+deadline-aware policies (``edf``, ``slo``, and :class:`PatientEarliestDeadline`,
+which reorders but never preempts), checked deterministically.
 
 :class:`DeadlineCoreLifecycleMachine` gives the core a
 :class:`~diffusion_runtime.testing.virtual_clock.VirtualClock`. Time passes
@@ -18,9 +19,13 @@ Beyond what the core and preemptive harnesses check, after every rule:
 - with ``"run_late"``, no request is ever dropped for its deadline (late
   requests complete: the core harness requires every untouched request to);
 - every wave follows the policy and the aging bound: the oldest request
-  that has aged is in the wave, and no left-out request of the wave's key
-  outranks one in it (aged before young, then ``edf`` by deadline, ``slo``
-  an on-time request or one without a deadline before a late one).
+  that has aged is in the wave (under a policy that does not preempt, a
+  wave that continues running requests may leave it out, but then no request
+  admitted after an aged one left out may join it), and no left-out request
+  of the wave's key outranks one the policy chose for it (aged before young,
+  then by deadline for ``edf`` and :class:`PatientEarliestDeadline`, ``slo``
+  an on-time request or one without a deadline before a late one; without
+  preemption only the requests that join the wave were chosen).
 
 Lifecycle event times stay on the real clock; deadlines are compared only
 with the virtual time of the step, here.
@@ -38,6 +43,7 @@ from hypothesis.stateful import invariant, precondition, rule
 
 from diffusion_runtime.fsm import DEADLINE_REASON, TERMINAL_STATES, LifecycleEvent, RequestStatus
 from diffusion_runtime.fsm.events import TraceEvent, WaveEvent
+from diffusion_runtime.scheduler.policies import EarliestDeadlinePolicy, SloAwarePolicy
 from diffusion_runtime.scheduler.step_cost import DEFAULT_STEP_S
 from diffusion_runtime.testing.preemption_harness import PreemptiveCoreLifecycleMachine
 from diffusion_runtime.testing.virtual_clock import VirtualClock
@@ -47,6 +53,15 @@ TICK_S = 2.0**-8
 #: The states a request waits in; only these may be dropped for a deadline (stated
 #: here, independently of the scheduler and the auditor it checks).
 _WAITS = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class PatientEarliestDeadline(EarliestDeadlinePolicy):
+    """Earliest deadline first without preemption: the shape of a user's policy
+    that reorders the queue but never preempts. Under it, in step mode, a
+    running set keeps its key and only the requests that join it are chosen;
+    the harness checks the aging bound's form for such a policy."""
+
+    preemptive = False
 
 
 def tick_deadlines(max_ticks: int = 8) -> st.SearchStrategy[float | None]:
@@ -71,6 +86,7 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         self.admission_order: dict[str, int] = {}
         self._admissions = itertools.count()
         self.preempted_since_wave: list[str] = []
+        self.joined_since_wave: list[str] = []
         self.deadline_problems: list[str] = []
         super().__init__()
 
@@ -161,6 +177,7 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         elif isinstance(event, WaveEvent) and event.scheduled_ids:
             self._check_wave(event)
             self.preempted_since_wave.clear()
+            self.joined_since_wave.clear()
 
     def _follow(self, event: LifecycleEvent) -> None:
         rid = event.request_id
@@ -172,6 +189,8 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
             self.admission_order[rid] = next(self._admissions)
         elif event.dest is RequestStatus.PREEMPTED:
             self.preempted_since_wave.append(rid)
+        elif event.dest is RequestStatus.RUNNING and event.source in _WAITS:
+            self.joined_since_wave.append(rid)
         elif event.dest is RequestStatus.FINISHED_ABORTED and event.reason == DEADLINE_REASON:
             self._check_drop(event)
         elif event.dest is RequestStatus.FINISHED_COMPLETED and self._passed(rid, self.clock.now):
@@ -194,31 +213,53 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
     # -- the policy and the aging bound, wave by wave ----------------------------------
 
     def _check_wave(self, event: WaveEvent) -> None:
-        now = self.step_now
+        now, order = self.step_now, self.admission_order
         active = self.core.scheduler.requests
         scheduled = [rid for rid in event.scheduled_ids if rid in active]
         left_out = [rid for rid, s in self.states.items() if s in _WAITS and rid in active]
+        # Without preemption a wave that continues running requests was chosen only
+        # in who joined it; the others just went on.
+        joined = [rid for rid in scheduled if rid in self.joined_since_wave]
+        only_joiners_chosen = not self.core.scheduler.policy.preemptive and len(joined) < len(
+            scheduled
+        )
+        chosen = joined if only_joiners_chosen else scheduled
+        aged_left_out = [rid for rid in left_out if self._aged(rid, now)]
+        first_aged_left_out = min(map(order.__getitem__, aged_left_out), default=math.inf)
+        if only_joiners_chosen:
+            # A running set that does not preempt drains: once an aged request is left
+            # out, only requests admitted before it may join.
+            passed = [rid for rid in joined if order[rid] > first_aged_left_out]
+            if passed:
+                self.deadline_problems.append(
+                    f"wave {event.wave_id} let {passed} join, admitted after "
+                    f"{min(aged_left_out, key=order.__getitem__)!r}, which has aged"
+                )
+            elif aged_left_out:
+                self.reach.note("path: an aged request waited for a running set to drain")
         aged = [rid for rid in (*scheduled, *left_out) if self._aged(rid, now)]
         if aged:
-            oldest = min(aged, key=self.admission_order.__getitem__)
+            oldest = min(aged, key=order.__getitem__)
             if oldest in scheduled:
                 self.reach.note("path: an aged request ran first")
-            else:
+            elif not only_joiners_chosen:
                 self.deadline_problems.append(
                     f"wave {event.wave_id} left out {oldest!r}, the oldest aged request"
                 )
         for waiting in left_out:
+            if only_joiners_chosen and order[waiting] > first_aged_left_out:
+                continue  # it may not join: an aged request admitted before it is left out
             key = active[waiting].batch_key
-            for chosen in scheduled:
-                if active[chosen].batch_key != key:
+            for rid in chosen:
+                if active[rid].batch_key != key:
                     continue
-                if self._outranks(waiting, chosen, now):
+                if self._outranks(waiting, rid, now):
                     self.deadline_problems.append(
-                        f"wave {event.wave_id} ({self.config.scheduling_policy}) ran {chosen!r} "
-                        f"(deadline {self.deadlines[chosen]}) and left out {waiting!r} "
-                        f"(deadline {self.deadlines[waiting]}) at {now}"
+                        f"wave {event.wave_id} ({type(self.core.scheduler.policy).__name__}) "
+                        f"ran {rid!r} (deadline {self.deadlines[rid]}) and left out "
+                        f"{waiting!r} (deadline {self.deadlines[waiting]}) at {now}"
                     )
-                self._note_policy_paths(waiting, chosen, now)
+                self._note_policy_paths(waiting, rid, now)
 
     def _outranks(self, waiting: str, chosen: str, now: float) -> bool:
         """Whether the policy must run ``waiting`` before ``chosen`` (same batch key)."""
@@ -226,10 +267,10 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         if waiting_aged or chosen_aged:
             order = self.admission_order
             return waiting_aged and (not chosen_aged or order[waiting] < order[chosen])
-        policy = self.config.scheduling_policy
-        if policy == "edf":
+        policy = self.core.scheduler.policy
+        if isinstance(policy, EarliestDeadlinePolicy):
             return self._deadline_or_inf(waiting) < self._deadline_or_inf(chosen)
-        if policy == "slo":
+        if isinstance(policy, SloAwarePolicy):
             return self._surely_late(chosen, now) and self._surely_on_time(waiting, now)
         return False
 
@@ -237,11 +278,14 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         if self._aged(waiting, now) or self._aged(chosen, now):
             return
         waiting_by, chosen_by = self._deadline_or_inf(waiting), self._deadline_or_inf(chosen)
-        policy = self.config.scheduling_policy
-        if policy == "slo" and waiting_by < chosen_by and self._surely_late(waiting, now):
-            self.reach.note("path: slo demoted a late request")
-        if policy == "edf" and chosen_by < waiting_by and waiting in self.preempted_since_wave:
+        policy = self.core.scheduler.policy
+        if isinstance(policy, SloAwarePolicy):
+            if waiting_by < chosen_by and self._surely_late(waiting, now):
+                self.reach.note("path: slo demoted a late request")
+        elif chosen_by < waiting_by and waiting in self.preempted_since_wave:
             self.reach.note("path: edf preempted for an earlier deadline")
+        elif chosen_by < waiting_by and not policy.preemptive:
+            self.reach.note("path: an earlier deadline went first without preemption")
 
     # -- time --------------------------------------------------------------------------
 

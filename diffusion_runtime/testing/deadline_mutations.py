@@ -1,8 +1,10 @@
-"""Broken deadlines: bugs in when a late request is dropped and where the ``slo``
-policy ranks it. Each is written the way it would slip in; the deadline
-harness (:mod:`.deadline_harness`, ``slo`` in step mode, with the
-``deadline_miss`` its target names) must catch each, and ``docs/auditing.md``
-says which check does.
+"""Broken deadlines and aging: bugs in when a late request is dropped, where the
+``slo`` policy ranks it, and how a running set that does not preempt lets an
+aged request through. Each is written the way it would slip in; the deadline
+harness (:mod:`.deadline_harness`, in step mode: ``slo`` with the
+``deadline_miss`` its target names, or, for ``"deadline-patient"``,
+:class:`~.deadline_harness.PatientEarliestDeadline`) must catch each, and
+``docs/auditing.md`` says which check does.
 """
 
 from __future__ import annotations
@@ -83,6 +85,27 @@ def slo_serves_late_requests_first() -> Patch:
     return _replace(SloAwarePolicy, "rank", make)
 
 
+def aged_request_checked_only_at_the_head() -> Patch:
+    def make(original: Any) -> Any:
+        def plan(
+            self: BaseScheduler, now: float, *, may_preempt: bool
+        ) -> tuple[list[Request], list[Request]]:
+            if not self.running or (may_preempt and self.policy.preemptive):
+                return original(self, now, may_preempt=may_preempt)  # type: ignore[no-any-return]
+            free = self.max_num_running_reqs - len(self.running)
+            if free <= 0 or not self.waiting:
+                return [], []
+            waiting = sorted(self.waiting.values(), key=lambda r: self.effective_rank(r, now))
+            key = next(iter(self.running.values())).batch_key
+            if waiting[0].batch_key != key and self.is_aged(waiting[0], now):
+                return [], []  # "drain the running set: the aged request's key goes next"
+            return [], [r for r in waiting if r.batch_key == key][:free]
+
+        return plan
+
+    return _replace(BaseScheduler, "plan", make)
+
+
 #: ``(name, bug, mode, target, patch)``, run by the deadline harness; the target
 #: names its ``deadline_miss``: ``"deadline-drop"`` or ``"deadline-run_late"``.
 DEADLINE_MUTATIONS: tuple[MutationSpec, ...] = (
@@ -94,4 +117,7 @@ DEADLINE_MUTATIONS: tuple[MutationSpec, ...] = (
      "never dropped", "step", "deadline-drop", preempted_deadline_not_rewatched),
     ("slo-late-first", "the slo policy ranks late requests ahead of on-time ones", "step",
      "deadline-run_late", slo_serves_late_requests_first),
+    ("aged-checked-at-head", "a running set that does not preempt stops taking requests for "
+     "an aged one of another key only when it ranks first", "step", "deadline-patient",
+     aged_request_checked_only_at_the_head),
 )  # fmt: skip

@@ -48,8 +48,9 @@ class Mutation:
     #: EngineCore over the mp executor), ``"preempt"`` (an EngineCore under a
     #: preemptive policy), ``"deadline-drop"``/``"deadline-run_late"`` (an
     #: EngineCore on a virtual clock under the ``slo`` policy with that
-    #: ``deadline_miss``), ``"front"`` (a DiffusionEngine) or ``"stage"`` (a
-    #: StageClient and its stage process).
+    #: ``deadline_miss``), ``"deadline-patient"`` (the same under
+    #: ``PatientEarliestDeadline``, which does not preempt), ``"front"`` (a
+    #: DiffusionEngine) or ``"stage"`` (a StageClient and its stage process).
     target: str = "core"
 
 
