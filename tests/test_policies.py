@@ -645,6 +645,26 @@ def test_a_request_whose_deadline_passes_while_waiting_is_dropped() -> None:
     assert set(scheduler.requests) == {"runner", "patient"}
 
 
+def test_the_next_wakeup_is_the_deadline_of_a_request_that_may_be_dropped() -> None:
+    """A running or finished request's deadline wakes nothing: it cannot be dropped.
+    Preempted, the request may be again, and its deadline is the wakeup."""
+    scheduler = make("step", max_num_seqs=1, scheduling_policy="priority", deadline_miss="drop")
+    add(scheduler, "low", priority=1, num_inference_steps=3, deadline_s=0.5)
+    add(scheduler, "later", priority=1, deadline_s=0.9)
+    assert scheduler.next_wakeup() == pytest.approx(0.5)
+    out = scheduler.schedule(0.0)
+    assert out is not None and out.scheduled_ids == ("low",)
+    assert scheduler.next_wakeup() == pytest.approx(0.9)
+    run_wave(scheduler, out)
+    add(scheduler, "high", priority=0, num_inference_steps=1)
+    out = scheduler.schedule(0.1)
+    assert out is not None and out.scheduled_ids == ("high",)
+    assert scheduler.next_wakeup() == pytest.approx(0.5), "preempted: it may be dropped again"
+    scheduler.abort_request("low", "gone")
+    scheduler.abort_request("later", "gone")
+    assert scheduler.next_wakeup() is None
+
+
 def test_run_late_keeps_a_request_past_its_deadline() -> None:
     scheduler = make(max_num_seqs=1)
     add(scheduler, "late", deadline_s=0.5)
