@@ -282,10 +282,11 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         if isinstance(policy, SloAwarePolicy):
             if waiting_by < chosen_by and self._surely_late(waiting, now):
                 self.reach.note("path: slo demoted a late request")
-        elif chosen_by < waiting_by and waiting in self.preempted_since_wave:
-            self.reach.note("path: edf preempted for an earlier deadline")
-        elif chosen_by < waiting_by and not policy.preemptive:
-            self.reach.note("path: an earlier deadline went first without preemption")
+        elif isinstance(policy, EarliestDeadlinePolicy) and chosen_by < waiting_by:
+            if waiting in self.preempted_since_wave:
+                self.reach.note("path: edf preempted for an earlier deadline")
+            elif not policy.preemptive:
+                self.reach.note("path: an earlier deadline went first without preemption")
 
     # -- time --------------------------------------------------------------------------
 
