@@ -50,6 +50,8 @@ class _WaveTiming(NamedTuple):
     batch_size: int
     steps: int
     started: float
+    #: Step mode: a request takes its last step in the wave (it also decodes).
+    finishes: bool
 
 
 class _StartWindow(NamedTuple):
@@ -367,7 +369,9 @@ class BaseScheduler(abc.ABC):
         requests also builds their states (several ordinary steps' worth on
         digits), one that resumes them may bring their states back from host
         memory, and either taught the model a step far slower than the ones that
-        follow.
+        follow. A wave in which a request takes its last step also decodes its
+        images: what it takes beyond an ordinary step is the key's finish cost,
+        not a step.
 
         A step-mode wave's work begins at the end of the step before it, or at the
         arrival of the first request it starts if that came later: what the
@@ -378,7 +382,7 @@ class BaseScheduler(abc.ABC):
         the wave's work then begins at its scheduling."""
         now = self.clock()
         size = len(new) + len(cached_ids)
-        began = now
+        began, finishes = now, False
         if self.keeps_runner_state and size:
             arrived = min((request.arrival_time for request in new), default=None)
             known = [t for t in (self.step_costs.last_wave_end, arrived) if t is not None]
@@ -388,11 +392,14 @@ class BaseScheduler(abc.ABC):
             self._watch_start(new, size, now, began)
             first = None if starts else self.requests.get(cached_ids[0])
             steps = 1
+            finishes = not starts and any(
+                self.requests[rid].remaining_steps <= 1 for rid in cached_ids
+            )
         else:
             first = new[0] if new else None
             steps = 0 if first is None else first.params.num_inference_steps
         if first is not None:
-            self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, began)
+            self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, began, finishes)
 
     def _watch_start(self, new: list[Request], size: int, now: float, began: float) -> None:
         """Step mode: time the :data:`START_WINDOW_WAVES` waves from one that starts
@@ -421,8 +428,12 @@ class BaseScheduler(abc.ABC):
         timing = self._wave_timing
         if timing is not None and timing.wave_id == output.wave_id:
             self._wave_timing = None
-            seconds = now - timing.started
-            self.step_costs.observe(timing.key, timing.batch_size, seconds / timing.steps)
+            seconds, costs = now - timing.started, self.step_costs
+            if timing.finishes:
+                step_s = costs.seconds_per_step(timing.key, timing.batch_size)
+                costs.observe_finish(timing.key, seconds - step_s)
+            else:
+                costs.observe(timing.key, timing.batch_size, seconds / timing.steps)
         window = self._start_window
         if window is not None and output.scheduled_ids:
             if window.request_ids.isdisjoint(output.scheduled_ids):

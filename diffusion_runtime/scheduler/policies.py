@@ -116,13 +116,15 @@ class SloAwarePolicy(SchedulingPolicy):
         """Seconds ``request`` needs to finish from now, in a wave of ``batch_size``
         (``None``: the key's last size). Started (it ran steps whose state the
         workers hold; a preemption in request mode clears them, as it restarts):
-        its remaining steps at the fastest step measured. Not started: its key's
-        start cost on an idle or a busy engine (``engine_idle``) plus its steps
-        at the average step."""
+        its remaining steps at the fastest step measured, plus the least finish
+        cost measured for its key. Not started: its key's start cost on an idle
+        or a busy engine (``engine_idle``), its steps at the average step, and
+        the key's average finish cost (see :class:`StepCostModel`)."""
         costs, key = self.costs, request.batch_key
         if request.num_steps is not None:
-            return request.remaining_steps * costs.fastest_seconds_per_step(key, batch_size)
-        start_s = costs.start_seconds(key, engine_idle)
+            steps_s = request.remaining_steps * costs.fastest_seconds_per_step(key, batch_size)
+            return steps_s + costs.finish_seconds(key, least=True)
+        start_s = costs.start_seconds(key, engine_idle) + costs.finish_seconds(key)
         return start_s + request.remaining_steps * costs.seconds_per_step(key, batch_size)
 
     def judged_time(

@@ -26,9 +26,11 @@ class StepCostModel:
     It also learns each key's *start cost*: how much longer the first waves
     after requests start take than ordinary steps (building their states, and
     on an engine that sat idle, the slow first steps of a cold machine), as
-    moving averages kept apart for starts on an idle engine and on a busy one.
-    Memory grows with the number of distinct keys and sizes seen, not with
-    requests.
+    moving averages kept apart for starts on an idle engine and on a busy one;
+    and its *finish cost*: how much longer a wave in which requests take their
+    last step takes than an ordinary step (decoding their images, which on a
+    pipeline with a heavy decoder costs several steps). Memory grows with the
+    number of distinct keys and sizes seen, not with requests.
     """
 
     def __init__(self) -> None:
@@ -40,6 +42,8 @@ class StepCostModel:
         self._samples_by_size: dict[tuple[Hashable, int], int] = {}
         self._overall: float | None = None
         self._start: dict[tuple[Hashable, bool], float] = {}
+        self._finish: dict[Hashable, float] = {}
+        self._least_finish: dict[Hashable, float] = {}
         self._last_wave_end: float | None = None
 
     def observe(self, key: Hashable, batch_size: int, seconds_per_step: float) -> None:
@@ -109,6 +113,19 @@ class StepCostModel:
         busy engine (the other kind's average until this one is measured; 0 before
         any, and never negative)."""
         cost = self._start.get((key, idle), self._start.get((key, not idle), 0.0))
+        return max(0.0, cost)
+
+    def observe_finish(self, key: Hashable, extra_seconds: float) -> None:
+        """Record that a wave in which requests of ``key`` took their last step took
+        ``extra_seconds`` longer than an ordinary step."""
+        self._finish[key] = _blend(self._finish.get(key), extra_seconds)
+        self._least_finish[key] = min(self._least_finish.get(key, extra_seconds), extra_seconds)
+
+    def finish_seconds(self, key: Hashable, least: bool = False) -> float:
+        """What a request's last step of ``key`` costs beyond an ordinary step: the
+        moving average, or with ``least`` the smallest measured (a bound, as the
+        fastest step is); 0 before any, and never negative."""
+        cost = (self._least_finish if least else self._finish).get(key, 0.0)
         return max(0.0, cost)
 
 
