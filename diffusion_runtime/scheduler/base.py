@@ -216,10 +216,9 @@ class BaseScheduler(abc.ABC):
     def next_wakeup(self) -> float | None:
         """The time (on :attr:`clock`) at which :meth:`schedule` may have new work,
         if it is waiting (here: the next deadline of a waiting or preempted request,
-        which drops it)."""
+        which drops it). It sheds the deadlines of requests that ran or ended
+        since they were watched (one preempted later is watched again)."""
         deadlines = self._deadlines
-        # Entries of requests that ran or ended since are no wakeup: shed them (one
-        # preempted later is watched again).
         while deadlines and deadlines[0][2].state not in _DROPPABLE:
             heapq.heappop(deadlines)
         return deadlines[0][0] if deadlines else None

@@ -8,7 +8,8 @@ only by rules (a drawn number of ticks) and during waves (each wave takes
 a drawn time, zero included), so every deadline, drop, aging decision and
 step cost depends on draws alone, and a deadline can fall exactly on a step.
 Requests draw ``deadline_s`` (or none) and priorities; a rule sends a full
-wave of requests due in one tick.
+wave of requests due in one tick, and (under a policy that does not preempt)
+one lets a waiting request age beside a running set of another key.
 
 Beyond what the core and preemptive harnesses check, after every rule:
 
@@ -21,7 +22,9 @@ Beyond what the core and preemptive harnesses check, after every rule:
 - every wave follows the policy and the aging bound: the oldest request
   that has aged is in the wave (under a policy that does not preempt, a
   wave that continues running requests may leave it out, but then no request
-  admitted after an aged one left out may join it), and no left-out request
+  admitted after an aged one left out may join it, and while it has room every
+  waiting request of its key admitted before the first aged one of another
+  key joins it), and no left-out request
   of the wave's key outranks one the policy chose for it (aged before young,
   then by deadline for ``edf`` and :class:`PatientEarliestDeadline`, ``slo``
   an on-time request or one without a deadline before a late one; without
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import attrs
 import hypothesis.strategies as st
@@ -86,7 +89,7 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         self.admission_order: dict[str, int] = {}
         self._admissions = itertools.count()
         self.preempted_since_wave: list[str] = []
-        self.joined_since_wave: list[str] = []
+        self.joined_since_wave: set[str] = set()
         self.deadline_problems: list[str] = []
         super().__init__()
 
@@ -140,6 +143,28 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
             ),
         )
 
+    @precondition(
+        lambda self: (
+            self._alive
+            and not self.core.scheduler.policy.preemptive
+            and bool(self._beside_a_running_set())
+        )
+    )
+    @rule(data=st.data())
+    def let_a_request_age_beside_a_running_set(self, data: st.DataObject) -> None:
+        """Under a policy that does not preempt: a waiting request of another batch
+        key than a running one ages, a request like the running one arrives behind
+        it, and a step. Only requests admitted before the aged one may join the
+        running set, which drains. (A preemptive policy runs the aged request at
+        once: the rule that lets time pass to an aging bound reaches that.)"""
+        running, waiting = data.draw(
+            st.sampled_from(self._beside_a_running_set()), label="running, waiting"
+        )
+        ages_at = self.arrivals[waiting] + self.config.scheduling_aging_s
+        self.clock.advance(max(0.0, ages_at - self.clock.now))
+        self._add(data, data.draw(self.prompts), self.records[running].params, failing=False)
+        self._step()
+
     # -- invariants --------------------------------------------------------------------
 
     @invariant()
@@ -190,7 +215,7 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         elif event.dest is RequestStatus.PREEMPTED:
             self.preempted_since_wave.append(rid)
         elif event.dest is RequestStatus.RUNNING and event.source in _WAITS:
-            self.joined_since_wave.append(rid)
+            self.joined_since_wave.add(rid)
         elif event.dest is RequestStatus.FINISHED_ABORTED and event.reason == DEADLINE_REASON:
             self._check_drop(event)
         elif event.dest is RequestStatus.FINISHED_COMPLETED and self._passed(rid, self.clock.now):
@@ -217,26 +242,17 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         active = self.core.scheduler.requests
         scheduled = [rid for rid in event.scheduled_ids if rid in active]
         left_out = [rid for rid, s in self.states.items() if s in _WAITS and rid in active]
-        # Without preemption a wave that continues running requests was chosen only
-        # in who joined it; the others just went on.
         joined = [rid for rid in scheduled if rid in self.joined_since_wave]
-        only_joiners_chosen = not self.core.scheduler.policy.preemptive and len(joined) < len(
-            scheduled
-        )
+        continued = [rid for rid in scheduled if rid not in self.joined_since_wave]
+        # A policy that does not preempt chose only who joined a wave that continues
+        # running requests (request mode never has running requests when it plans).
+        only_joiners_chosen = not self.core.scheduler.policy.preemptive and bool(continued)
         chosen = joined if only_joiners_chosen else scheduled
-        aged_left_out = [rid for rid in left_out if self._aged(rid, now)]
-        first_aged_left_out = min(map(order.__getitem__, aged_left_out), default=math.inf)
+        may_join_before = math.inf  # without preemption: the first aged request left out
         if only_joiners_chosen:
-            # A running set that does not preempt drains: once an aged request is left
-            # out, only requests admitted before it may join.
-            passed = [rid for rid in joined if order[rid] > first_aged_left_out]
-            if passed:
-                self.deadline_problems.append(
-                    f"wave {event.wave_id} let {passed} join, admitted after "
-                    f"{min(aged_left_out, key=order.__getitem__)!r}, which has aged"
-                )
-            elif aged_left_out:
-                self.reach.note("path: an aged request waited for a running set to drain")
+            may_join_before = self._check_a_running_set_drains(
+                event.wave_id, scheduled, joined, left_out, active[continued[0]].batch_key, now
+            )
         aged = [rid for rid in (*scheduled, *left_out) if self._aged(rid, now)]
         if aged:
             oldest = min(aged, key=order.__getitem__)
@@ -247,7 +263,7 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
                     f"wave {event.wave_id} left out {oldest!r}, the oldest aged request"
                 )
         for waiting in left_out:
-            if only_joiners_chosen and order[waiting] > first_aged_left_out:
+            if order[waiting] > may_join_before:
                 continue  # it may not join: an aged request admitted before it is left out
             key = active[waiting].batch_key
             for rid in chosen:
@@ -260,6 +276,45 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
                         f"{waiting!r} (deadline {self.deadlines[waiting]}) at {now}"
                     )
                 self._note_policy_paths(waiting, rid, now)
+
+    def _check_a_running_set_drains(
+        self,
+        wave_id: int,
+        scheduled: list[str],
+        joined: list[str],
+        left_out: list[str],
+        running_key: Hashable,
+        now: float,
+    ) -> float:
+        """The aging bound without preemption, for a wave that continues a running
+        set: no request admitted after an aged request left out of it joins, and
+        while it has room every waiting request of its key admitted before the
+        first aged one of another key joins. Returns the admission order only
+        requests admitted before may join (infinite: any)."""
+        order, active = self.admission_order, self.core.scheduler.requests
+        aged_left_out = sorted(
+            (rid for rid in left_out if self._aged(rid, now)), key=order.__getitem__
+        )
+        first = order[aged_left_out[0]] if aged_left_out else math.inf
+        passed = [rid for rid in joined if order[rid] > first]
+        if passed:
+            self.deadline_problems.append(
+                f"wave {wave_id} let {passed} join, admitted after {aged_left_out[0]!r}, "
+                "which has aged and was left out"
+            )
+        blocking = [rid for rid in aged_left_out if active[rid].batch_key != running_key]
+        blocked_from = order[blocking[0]] if blocking else math.inf
+        if len(scheduled) < self.config.max_num_seqs:
+            of_its_key = [rid for rid in left_out if active[rid].batch_key == running_key]
+            kept_out = [rid for rid in of_its_key if order[rid] < blocked_from]
+            if kept_out:
+                self.deadline_problems.append(
+                    f"wave {wave_id} had room but left out {kept_out}, of the running key "
+                    f"and admitted before any aged request of another key"
+                )
+            elif of_its_key:
+                self.reach.note("path: a running set with room held a request back for an aged one")
+        return first
 
     def _outranks(self, waiting: str, chosen: str, now: float) -> bool:
         """Whether the policy must run ``waiting`` before ``chosen`` (same batch key)."""
@@ -285,14 +340,29 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         elif isinstance(policy, EarliestDeadlinePolicy) and chosen_by < waiting_by:
             if waiting in self.preempted_since_wave:
                 self.reach.note("path: edf preempted for an earlier deadline")
-            elif not policy.preemptive:
-                self.reach.note("path: an earlier deadline went first without preemption")
+            elif (
+                not policy.preemptive
+                and self.admission_order[chosen] > self.admission_order[waiting]
+            ):
+                self.reach.note("path: a younger request went first by its deadline")
 
     # -- time --------------------------------------------------------------------------
 
     def _passed(self, rid: str, now: float) -> bool:
         deadline = self.deadlines.get(rid)
         return deadline is not None and deadline <= now
+
+    def _beside_a_running_set(self) -> list[tuple[str, str]]:
+        """``(running, waiting)`` pairs of requests of different batch keys."""
+        requests = self.core.scheduler.requests
+        running = sorted(r for r, s in self.states.items() if s is RequestStatus.RUNNING)
+        waiting = sorted(r for r, s in self.states.items() if s is RequestStatus.WAITING)
+        return [
+            (r, w)
+            for r in running
+            for w in waiting
+            if r in requests and w in requests and requests[r].batch_key != requests[w].batch_key
+        ]
 
     def _deadlines_ahead(self) -> list[float]:
         """The deadlines still to come of waiting and preempted requests, nearest first."""

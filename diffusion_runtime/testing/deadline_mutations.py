@@ -106,8 +106,24 @@ def aged_request_checked_only_at_the_head() -> Patch:
     return _replace(BaseScheduler, "plan", make)
 
 
+def running_set_closed_while_any_request_has_aged() -> Patch:
+    def make(original: Any) -> Any:
+        def plan(
+            self: BaseScheduler, now: float, *, may_preempt: bool
+        ) -> tuple[list[Request], list[Request]]:
+            drains = self.running and not (may_preempt and self.policy.preemptive)
+            if drains and any(self.is_aged(request, now) for request in self.waiting.values()):
+                return [], []  # "a request has aged: let the running set drain"
+            return original(self, now, may_preempt=may_preempt)  # type: ignore[no-any-return]
+
+        return plan
+
+    return _replace(BaseScheduler, "plan", make)
+
+
 #: ``(name, bug, mode, target, patch)``, run by the deadline harness; the target
-#: names its ``deadline_miss``: ``"deadline-drop"`` or ``"deadline-run_late"``.
+#: names the configuration: ``"deadline-drop"`` or ``"deadline-run_late"`` (``slo``
+#: with that ``deadline_miss``) or ``"deadline-patient"``.
 DEADLINE_MUTATIONS: tuple[MutationSpec, ...] = (
     ("deadline-drops-running", "the deadline drop also aborts running requests", "step",
      "deadline-drop", drop_hits_running_requests),
@@ -120,4 +136,7 @@ DEADLINE_MUTATIONS: tuple[MutationSpec, ...] = (
     ("aged-checked-at-head", "a running set that does not preempt stops taking requests for "
      "an aged one of another key only when it ranks first", "step", "deadline-patient",
      aged_request_checked_only_at_the_head),
+    ("aged-closes-running-set", "a running set that does not preempt takes no request while "
+     "any request has aged, even one of its own key", "step", "deadline-patient",
+     running_set_closed_while_any_request_has_aged),
 )  # fmt: skip
