@@ -96,7 +96,7 @@ REQUIRED_REACH = {
     },
     "deadline-slo-drop": {
         "path: dropped at its deadline": 20,
-        "path: dropped at its deadline while preempted": 7,
+        "path: dropped at its deadline while preempted": 3,
         "path: a deadline fell exactly on a step": 8,
         "path: an aged request ran first": 5,
     },
@@ -109,6 +109,7 @@ REQUIRED_REACH = {
     "deadline-edf-drop": {
         "path: edf preempted for an earlier deadline": 12,
         "path: dropped at its deadline": 40,
+        "path: dropped at its deadline while preempted": 8,
         "path: a deadline fell exactly on a step": 5,
         "path: an aged request ran first": 30,
     },

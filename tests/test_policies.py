@@ -469,15 +469,17 @@ def test_a_start_window_whose_requests_left_measures_nothing() -> None:
     assert scheduler.step_costs.start_seconds(paused.batch_key, False) == 0.0
 
 
-def test_a_last_step_that_decodes_is_a_finish_cost_not_a_step() -> None:
+@pytest.mark.parametrize("steps", [3, 4])
+def test_a_last_step_that_decodes_is_a_finish_cost_not_a_step(steps: int) -> None:
     """Each request's last wave also decodes its images (here 5 ms beyond a 1 ms
     step): that is its key's finish cost, which ``slo`` adds to what a request
-    needs; the step average stays that of the ordinary steps."""
-    scheduler, clock, first = step_scheduler_on_a_virtual_clock(4, policy="slo")
+    needs, started or not. The step average stays that of the ordinary steps,
+    and a decode inside a start window (3 steps) is not start cost."""
+    scheduler, clock, first = step_scheduler_on_a_virtual_clock(steps, policy="slo")
     costs, key = scheduler.step_costs, first.batch_key
-    for index in range(3):
+    for index in range(MIN_SAMPLES_FOR_BOUND + 1):
         if index:
-            add(scheduler, f"r{index}", clock[0], num_inference_steps=4)
+            add(scheduler, f"r{index}", clock[0], num_inference_steps=steps)
         while scheduler.requests:
             out = scheduler.schedule(clock[0])
             assert out is not None
@@ -487,11 +489,17 @@ def test_a_last_step_that_decodes_is_a_finish_cost_not_a_step() -> None:
     assert costs.seconds_per_step(key, 1) == pytest.approx(0.001)
     assert costs.finish_seconds(key) == pytest.approx(0.005)
     assert costs.finish_seconds(key, least=True) == pytest.approx(0.005)
+    assert costs.start_seconds(key, False) == pytest.approx(0.0, abs=1e-9)
     policy = scheduler.policy
     assert isinstance(policy, SloAwarePolicy)
-    waiting = add(scheduler, "waiting", clock[0], num_inference_steps=4)
-    start_s = costs.start_seconds(key, False)
-    assert policy.time_needed(waiting, False, 1) == pytest.approx(start_s + 0.004 + 0.005)
+    waiting = add(scheduler, "waiting", clock[0], num_inference_steps=steps)
+    needed = steps * 0.001 + 0.005
+    assert policy.time_needed(waiting, False, 1) == pytest.approx(needed)
+    out = scheduler.schedule(clock[0])
+    assert out is not None
+    clock[0] += 0.001
+    run_wave(scheduler, out)
+    assert policy.time_needed(waiting, False, 1) == pytest.approx(needed - 0.001)
 
 
 @pytest.mark.parametrize("engine_idle", [True, False])

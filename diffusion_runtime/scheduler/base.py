@@ -63,6 +63,8 @@ class _StartWindow(NamedTuple):
     batch_size: int
     started: float
     waves_left: int
+    #: Waves in it in which a request took its last step (their decodes are no start cost).
+    finishes: int
 
 
 class BaseScheduler(abc.ABC):
@@ -388,19 +390,20 @@ class BaseScheduler(abc.ABC):
             began = max(known, default=now)
             if not 0.0 <= now - began < IDLE_AFTER_S:
                 began = now
-            self._watch_start(new, size, now, began)
+            in_wave = (*new, *(self.requests[rid] for rid in cached_ids))
+            finishes = any(request.remaining_steps <= 1 for request in in_wave)
+            self._watch_start(new, size, now, began, finishes)
             first = None if starts else self.requests.get(cached_ids[0])
             steps = 1
-            finishes = not starts and any(
-                self.requests[rid].remaining_steps <= 1 for rid in cached_ids
-            )
         else:
             first = new[0] if new else None
             steps = 0 if first is None else first.params.num_inference_steps
         if first is not None:
             self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, began, finishes)
 
-    def _watch_start(self, new: list[Request], size: int, now: float, began: float) -> None:
+    def _watch_start(
+        self, new: list[Request], size: int, now: float, began: float, finishes: bool
+    ) -> None:
         """Step mode: time the :data:`START_WINDOW_WAVES` waves from one that starts
         requests (``size`` in all), for their key's start cost on an idle or a busy
         engine. A wave that starts requests replaces an open window: the engine
@@ -408,15 +411,20 @@ class BaseScheduler(abc.ABC):
         is no start cost), or the new window, on a busy engine, measures the new
         start. An open window also measures nothing once the engine was idle
         before a wave, or once a wave runs none of the requests it started
-        (they ended or were preempted, or another key's wave runs)."""
+        (they ended or were preempted, or another key's wave runs). A wave in it
+        in which a request takes its last step (``finishes``) also decodes: the
+        key's finish cost is taken off the window's time for each."""
         idle = self.step_costs.is_idle(now)
         if new:
             started = frozenset(request.request_id for request in new)
             self._start_window = _StartWindow(
-                new[0].batch_key, started, idle, size, began, START_WINDOW_WAVES
+                new[0].batch_key, started, idle, size, began, START_WINDOW_WAVES, int(finishes)
             )
         elif idle:
             self._start_window = None
+        elif self._start_window is not None and finishes:
+            window = self._start_window
+            self._start_window = window._replace(finishes=window.finishes + 1)
 
     def record_wave_cost(self, output: SchedulerOutput) -> None:
         """Feed the time ``output`` took to run (from when its work began to now) to the
@@ -429,8 +437,7 @@ class BaseScheduler(abc.ABC):
             self._wave_timing = None
             seconds, costs = now - timing.started, self.step_costs
             if timing.finishes:
-                step_s = costs.seconds_per_step(timing.key, timing.batch_size)
-                costs.observe_finish(timing.key, seconds - step_s)
+                costs.observe_finish(timing.key, timing.batch_size, seconds)
             else:
                 costs.observe(timing.key, timing.batch_size, seconds / timing.steps)
         window = self._start_window
@@ -442,9 +449,11 @@ class BaseScheduler(abc.ABC):
                 self._start_window = window._replace(waves_left=window.waves_left - 1)
                 return
             self._start_window = None
-            step_s = self.step_costs.seconds_per_step(window.key, window.batch_size)
-            extra = now - window.started - START_WINDOW_WAVES * step_s
-            self.step_costs.observe_start(window.key, window.idle, extra)
+            costs = self.step_costs
+            step_s = costs.seconds_per_step(window.key, window.batch_size)
+            decodes_s = window.finishes * costs.finish_seconds(window.key)
+            extra = now - window.started - START_WINDOW_WAVES * step_s - decodes_s
+            costs.observe_start(window.key, window.idle, extra)
 
     def requeue_finished_ids(self, request_ids: tuple[str, ...]) -> None:
         """Report ids as finished again: the output that carried them failed."""

@@ -44,6 +44,7 @@ class StepCostModel:
         self._start: dict[tuple[Hashable, bool], float] = {}
         self._finish: dict[Hashable, float] = {}
         self._least_finish: dict[Hashable, float] = {}
+        self._finish_samples: dict[Hashable, int] = {}
         self._last_wave_end: float | None = None
 
     def observe(self, key: Hashable, batch_size: int, seconds_per_step: float) -> None:
@@ -115,17 +116,26 @@ class StepCostModel:
         cost = self._start.get((key, idle), self._start.get((key, not idle), 0.0))
         return max(0.0, cost)
 
-    def observe_finish(self, key: Hashable, extra_seconds: float) -> None:
-        """Record that a wave in which requests of ``key`` took their last step took
-        ``extra_seconds`` longer than an ordinary step."""
-        self._finish[key] = _blend(self._finish.get(key), extra_seconds)
-        self._least_finish[key] = min(self._least_finish.get(key, extra_seconds), extra_seconds)
+    def observe_finish(self, key: Hashable, batch_size: int, wave_seconds: float) -> None:
+        """Record that a wave of ``batch_size`` requests of ``key`` in which requests
+        took their last step took ``wave_seconds``: what it took beyond the average
+        step at that size is a finish cost. Ignored while no step of that size was
+        measured (it would be set against a fallback estimate)."""
+        step_s = self._by_key_and_size.get((key, batch_size))
+        if step_s is None:
+            return
+        extra = wave_seconds - step_s
+        self._finish[key] = _blend(self._finish.get(key), extra)
+        self._least_finish[key] = min(self._least_finish.get(key, extra), extra)
+        self._finish_samples[key] = self._finish_samples.get(key, 0) + 1
 
     def finish_seconds(self, key: Hashable, least: bool = False) -> float:
         """What a request's last step of ``key`` costs beyond an ordinary step: the
-        moving average, or with ``least`` the smallest measured (a bound, as the
-        fastest step is); 0 before any, and never negative."""
-        cost = (self._least_finish if least else self._finish).get(key, 0.0)
+        moving average; with ``least``, once :data:`MIN_SAMPLES_FOR_BOUND` were
+        measured, the smallest (a bound, as the fastest step is). 0 before any,
+        and never negative."""
+        enough = self._finish_samples.get(key, 0) >= MIN_SAMPLES_FOR_BOUND
+        cost = (self._least_finish if least and enough else self._finish).get(key, 0.0)
         return max(0.0, cost)
 
 
