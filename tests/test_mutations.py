@@ -296,46 +296,41 @@ def test_catalogue_is_large_and_named_uniquely() -> None:
     assert {m.name for m in CATALOGUE} >= FAST_SUBSET
 
 
-@pytest.mark.parametrize("mode", ["request", "step"])
-@pytest.mark.parametrize("target", ["core", "front"])
-def test_the_real_runtime_passes_and_reaches_every_path(target: str, mode: str) -> None:
-    machine = harness_for(target, mode)
-    assert hunt(None, machine, max_examples=MAX_EXAMPLES) is None
-    required = dict(REQUIRED_REACH[target])
-    if target == "core" and mode == "step":
-        required.update(REQUIRED_REACH["step"])
+def passes_and_reaches(
+    machine: type[RuleBasedStateMachine], examples: int, required: dict[str, int]
+) -> None:
+    """The real runtime passes ``examples`` examples of ``machine`` and reaches each
+    required path at least as often as required; no engine thread is left."""
+    assert hunt(None, machine, max_examples=examples) is None
     reach = machine.reach  # type: ignore[attr-defined]
     print(reach.table())
     assert not reach.missing(required), f"paths reached too rarely: {reach.missing(required)}"
     assert engine_threads() == []
 
 
+@pytest.mark.parametrize("mode", ["request", "step"])
+@pytest.mark.parametrize("target", ["core", "front"])
+def test_the_real_runtime_passes_and_reaches_every_path(target: str, mode: str) -> None:
+    required = dict(REQUIRED_REACH[target])
+    if target == "core" and mode == "step":
+        required.update(REQUIRED_REACH["step"])
+    passes_and_reaches(harness_for(target, mode), MAX_EXAMPLES, required)
+
+
 def test_the_real_runtime_passes_with_preemption_and_reaches_every_path() -> None:
-    machine = preempt_harness()
-    assert hunt(None, machine, max_examples=MAX_EXAMPLES) is None
-    print(machine.reach.table())
-    assert not machine.reach.missing(REQUIRED_REACH["preempt"]), machine.reach.table()
-    assert engine_threads() == []
+    passes_and_reaches(preempt_harness(), MAX_EXAMPLES, REQUIRED_REACH["preempt"])
 
 
 @pytest.mark.parametrize(
     ("policy", "miss"), [("slo", "drop"), ("slo", "run_late"), ("edf", "drop")]
 )
 def test_the_real_runtime_meets_deadlines_on_a_virtual_clock(policy: str, miss: str) -> None:
-    machine = deadline_harness(policy, miss)
-    assert hunt(None, machine, max_examples=DEADLINE_EXAMPLES) is None
-    print(machine.reach.table())
     required = REQUIRED_REACH[f"deadline-{policy}-{miss}"]
-    assert not machine.reach.missing(required), machine.reach.table()
-    assert engine_threads() == []
+    passes_and_reaches(deadline_harness(policy, miss), DEADLINE_EXAMPLES, required)
 
 
 def test_the_real_runtime_keeps_the_aging_bound_without_preemption() -> None:
-    machine = patient_harness()
-    assert hunt(None, machine, max_examples=DEADLINE_EXAMPLES) is None
-    print(machine.reach.table())
-    assert not machine.reach.missing(REQUIRED_REACH["deadline-patient"]), machine.reach.table()
-    assert engine_threads() == []
+    passes_and_reaches(patient_harness(), DEADLINE_EXAMPLES, REQUIRED_REACH["deadline-patient"])
 
 
 @pytest.mark.slow
