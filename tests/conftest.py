@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,6 +13,8 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from diffusion_runtime import DiffusionEngine, EngineConfig
+from diffusion_runtime.core import EngineCore
+from diffusion_runtime.scheduler import BaseScheduler
 from diffusion_runtime.testing.leaks import child_pids  # noqa: F401  (tests import it from here)
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline
 
@@ -111,6 +114,48 @@ def assert_device_memory_at(baseline: tuple[int, int]) -> None:
     assert in_use <= baseline[1] + DEVICE_MEMORY_SLACK_BYTES, (
         f"{in_use - baseline[1]} more bytes in use on the device than before"
     )
+
+
+# -- no test reads the real clock to decide a result ---------------------------------
+
+#: Seeds the offsets ``monotonic_offset`` draws; run again with another seed to
+#: try other offsets. ``DR_CLOCK_OFFSET`` pins one offset (to retry a failing one).
+CLOCK_OFFSET_SEED = os.environ.get("DR_CLOCK_OFFSET_SEED", "0")
+PINNED_CLOCK_OFFSET = os.environ.get("DR_CLOCK_OFFSET")
+
+
+@pytest.fixture
+def monotonic_offset(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> float:
+    """Move the real clock ahead by a large random offset, drawn per test in [1e3, 1e7]
+    seconds (log-uniform) from ``DR_CLOCK_OFFSET_SEED`` and the test's id, and return it.
+
+    A result that follows from a real clock reading (a reading plus a decimal
+    lands on either side of another sum) then changes with the offset, so the
+    test fails for some seeds; the offset is printed, so a failure shows it.
+    Patched: ``time.monotonic`` (read through the module at each call), and the
+    default clocks of the scheduler and the core, which bound it at import.
+    ``threading`` and ``queue`` bound theirs too: lock and queue timeouts keep
+    the real clock.
+    """
+    if PINNED_CLOCK_OFFSET is not None:
+        offset = float(PINNED_CLOCK_OFFSET)
+    else:
+        # Log-uniform: whether a sum rounds up or down depends on the binary
+        # exponent of the reading, so every exponent in the range gets its turn.
+        draw = random.Random(f"{CLOCK_OFFSET_SEED}:{request.node.nodeid}")
+        offset = 10.0 ** draw.uniform(3.0, 7.0)
+    real = time.monotonic
+
+    def shifted() -> float:
+        return real() + offset
+
+    monkeypatch.setattr(time, "monotonic", shifted)
+    monkeypatch.setattr(BaseScheduler, "clock", staticmethod(shifted))
+    core_defaults = EngineCore.__init__.__kwdefaults__ or {}
+    if core_defaults.get("clock") is real:
+        monkeypatch.setitem(core_defaults, "clock", shifted)
+    print(f"monotonic_offset: DR_CLOCK_OFFSET={offset!r} DR_CLOCK_OFFSET_SEED={CLOCK_OFFSET_SEED}")
+    return offset
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:

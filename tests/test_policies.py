@@ -1,5 +1,10 @@
 """Scheduling policies against the real request machine, without an engine: ordering,
-head-of-line bypass, preemption decisions, deadline drops and the aging bound."""
+head-of-line bypass, preemption decisions, deadline drops and the aging bound.
+
+Every scheduler here runs on a virtual clock; a test that moves it moves it by
+binary fractions of a second (multiples of :data:`MS`), so sums of readings are
+exact. Estimates that blend samples (weight 0.2) are compared with ``approx``.
+"""
 
 from __future__ import annotations
 
@@ -25,15 +30,27 @@ from diffusion_runtime.scheduler import (
     StepScheduler,
 )
 from diffusion_runtime.scheduler.policies import SloAwarePolicy, resolve_policy_class
-from diffusion_runtime.scheduler.step_cost import IDLE_AFTER_S, MIN_SAMPLES_FOR_BOUND
+from diffusion_runtime.scheduler.step_cost import (
+    DEFAULT_STEP_S,
+    IDLE_AFTER_S,
+    MIN_SAMPLES_FOR_BOUND,
+)
+from diffusion_runtime.testing.virtual_clock import VirtualClock
+
+pytestmark = pytest.mark.usefixtures("monotonic_offset")
 
 S = RequestStatus
+#: About a millisecond, as a binary fraction: the unit of the tests that move a clock.
+MS = 2.0**-10
 
 
-def make(mode: str = "request", **config: Any) -> BaseScheduler:
+def make(mode: str = "request", clock: VirtualClock | None = None, **config: Any) -> BaseScheduler:
+    """A scheduler on ``clock`` (a fresh virtual clock at 0 if none is given)."""
     machine: RequestMachine[Request] = RequestMachine()
     cls = StepScheduler if mode == "step" else RequestScheduler
-    return cls(machine, EngineConfig(execution_mode=mode, **config))
+    scheduler = cls(machine, EngineConfig(execution_mode=mode, **config))
+    scheduler.clock = VirtualClock() if clock is None else clock
+    return scheduler
 
 
 def add(scheduler: BaseScheduler, rid: str, arrival: float = 0.0, **params: Any) -> Request:
@@ -191,7 +208,6 @@ def test_slo_policy_preempts_only_when_that_meets_more_deadlines(
     scheduler = make("step", max_num_seqs=1, scheduling_policy="slo")
     running = add(scheduler, "running", num_inference_steps=10, height=16, width=16,
                   deadline_s=running_deadline_s)  # fmt: skip
-    scheduler.clock = lambda: 0.0
     out = scheduler.schedule(0.0)
     assert out is not None and out.scheduled_ids == ("running",)
     run_wave(scheduler, out)  # a wave that starts a request is not timed
@@ -233,9 +249,8 @@ def test_one_slow_step_at_a_new_batch_size_does_not_make_running_requests_look_l
     2.9 ms against 1.2). When such a step was the only one measured at a batch
     size, it was taken as that size's fastest: four requests due in time looked
     hopeless, and ``slo`` preempted them for a request of another key."""
-    scheduler = make("step", max_num_seqs=4, scheduling_policy="slo")
-    clock = [0.0]
-    scheduler.clock = lambda: clock[0]
+    clock = VirtualClock()
+    scheduler = make("step", clock, max_num_seqs=4, scheduling_policy="slo")
     four = [add(scheduler, f"a{i}", num_inference_steps=10, deadline_s=0.14) for i in range(4)]
     other_key = scheduler.batch_key_for(SamplingParams(height=16, width=16))
     for _ in range(MIN_SAMPLES_FOR_BOUND):  # 10 ms steps, measured alone
@@ -243,17 +258,17 @@ def test_one_slow_step_at_a_new_batch_size_does_not_make_running_requests_look_l
         scheduler.step_costs.observe(other_key, 1, 0.01)
     out = scheduler.schedule(0.0)
     assert out is not None and len(out.scheduled_ids) == 4
-    clock[0] = 0.02
+    clock.advance(16 * MS)
     run_wave(scheduler, out)  # starts them: not timed
-    out = scheduler.schedule(clock[0])
+    out = scheduler.schedule(clock())
     assert out is not None
-    clock[0] = 0.05  # one slow step: the first ever at 4 requests
+    clock.advance(32 * MS)  # one slow step: the first ever at 4 requests
     run_wave(scheduler, out)
-    # 8 steps left by 0.14: made at 10 ms a step. The other request (25 steps by
-    # 0.35) makes its deadline only if it runs first.
-    add(scheduler, "b", arrival=0.05, num_inference_steps=25, height=16, width=16,
+    # 8 steps left by 0.14 (from 47 ms): made at 10 ms a step. The other request
+    # (25 steps by 0.347) makes its deadline only if it runs first.
+    add(scheduler, "b", arrival=clock(), num_inference_steps=25, height=16, width=16,
         deadline_s=0.3)  # fmt: skip
-    out = scheduler.schedule(clock[0])
+    out = scheduler.schedule(clock())
     assert out is not None and set(out.scheduled_ids) == {r.request_id for r in four}
     assert scheduler.num_preemptions == 0
 
@@ -277,56 +292,56 @@ def test_the_step_scheduler_learns_start_costs_from_the_waves_after_a_start() ->
     """The start cost is the time of the three waves from a start beyond three
     ordinary steps; a start on an idle engine is kept apart, and a window in
     which the engine fell idle (its request ended first) measures nothing."""
-    scheduler = make("step", max_num_seqs=4)
-    clock = [0.0]
-    scheduler.clock = lambda: clock[0]
+    clock = VirtualClock()
+    scheduler = make("step", clock, max_num_seqs=4)
     costs = scheduler.step_costs
 
     def wave(seconds: float) -> None:
-        out = scheduler.schedule(clock[0])
+        out = scheduler.schedule(clock())
         assert out is not None
-        clock[0] += seconds
+        clock.advance(seconds)
         run_wave(scheduler, out)
 
     first = add(scheduler, "cold", num_inference_steps=10)
     for size in (1, 2):
         for _ in range(MIN_SAMPLES_FOR_BOUND):
-            costs.observe(first.batch_key, size, 0.001)
-    for seconds in (0.003, 0.002, 0.0015):  # starts on an idle engine, three slow waves
+            costs.observe(first.batch_key, size, MS)
+    for seconds in (3 * MS, 2 * MS, 1.5 * MS):  # starts on an idle engine, three slow waves
         wave(seconds)
-    cold = 0.0065 - 3 * costs.seconds_per_step(first.batch_key, 1)
+    cold = 6.5 * MS - 3 * costs.seconds_per_step(first.batch_key, 1)
     assert costs.start_seconds(first.batch_key, True) == pytest.approx(cold)
-    add(scheduler, "warm", arrival=clock[0], num_inference_steps=4)
-    for seconds in (0.002, 0.001, 0.001):  # joins a busy engine: 1 ms beyond
+    add(scheduler, "warm", arrival=clock(), num_inference_steps=4)
+    for seconds in (2 * MS, MS, MS):  # joins a busy engine: 1 ms beyond
         wave(seconds)
-    assert costs.start_seconds(first.batch_key, False) == pytest.approx(0.001)
+    assert costs.start_seconds(first.batch_key, False) == MS
     while scheduler.requests:
-        wave(0.001)
-    clock[0] += 1.0
-    add(scheduler, "short", arrival=clock[0], num_inference_steps=2)
-    wave(0.004)
-    wave(0.001)  # ends before its window closes
-    clock[0] += 1.0
-    add(scheduler, "next", arrival=clock[0], num_inference_steps=10)
-    for seconds in (0.005, 0.001, 0.001):  # 4 ms beyond, on an idle engine
+        wave(MS)
+    clock.advance(1.0)
+    add(scheduler, "short", arrival=clock(), num_inference_steps=2)
+    wave(4 * MS)
+    wave(MS)  # ends before its window closes
+    clock.advance(1.0)
+    add(scheduler, "next", arrival=clock(), num_inference_steps=10)
+    for seconds in (5 * MS, MS, MS):  # 4 ms beyond, on an idle engine
         wave(seconds)
     step_s = costs.seconds_per_step(first.batch_key, 1)
-    cold += 0.2 * (0.007 - 3 * step_s - cold)  # the short one's second of idling is not in it
+    cold += 0.2 * (7 * MS - 3 * step_s - cold)  # the short one's second of idling is not in it
     assert costs.start_seconds(first.batch_key, True) == pytest.approx(cold)
     while scheduler.requests:
-        wave(0.001)
+        wave(MS)
     # On a busy engine; it ends in its window.
-    add(scheduler, "brief", arrival=clock[0], num_inference_steps=2)
-    wave(0.001)
-    wave(0.001)
-    clock[0] += IDLE_AFTER_S / 2  # empty, though not idle
-    add(scheduler, "after a pause", arrival=clock[0], num_inference_steps=10)
+    add(scheduler, "brief", arrival=clock(), num_inference_steps=2)
+    wave(MS)
+    wave(MS)
+    clock.advance(32 * MS)  # empty, though not idle
+    assert 32 * MS < IDLE_AFTER_S
+    add(scheduler, "after a pause", arrival=clock(), num_inference_steps=10)
     busy = costs.start_seconds(first.batch_key, False)
-    for seconds in (0.004, 0.001, 0.001):
+    for seconds in (4 * MS, MS, MS):
         wave(seconds)
     step_s = costs.seconds_per_step(first.batch_key, 1)
     assert costs.start_seconds(first.batch_key, True) == pytest.approx(cold)
-    busy += 0.2 * (0.006 - 3 * step_s - busy)  # the pause is not in it either
+    busy += 0.2 * (6 * MS - 3 * step_s - busy)  # the pause is not in it either
     assert costs.start_seconds(first.batch_key, False) == pytest.approx(busy)
 
 
@@ -337,16 +352,15 @@ def step_scheduler_on_a_virtual_clock(
     max_num_seqs: int = 4,
     rid: str = "first",
     priority: int = 0,
-) -> tuple[BaseScheduler, list[float], Request]:
-    """A step scheduler whose clock is ``clock[0]`` (0 at first), holding one request
-    that arrived at 0, with 1 ms steps measured (enough to count as the bound)."""
-    scheduler = make("step", max_num_seqs=max_num_seqs, scheduling_policy=policy)
-    clock = [0.0]
-    scheduler.clock = lambda: clock[0]
+) -> tuple[BaseScheduler, VirtualClock, Request]:
+    """A step scheduler on a virtual clock (0 at first), holding one request that
+    arrived at 0, with 1 ms (:data:`MS`) steps measured (enough to count as the bound)."""
+    clock = VirtualClock()
+    scheduler = make("step", clock, max_num_seqs=max_num_seqs, scheduling_policy=policy)
     request = add(scheduler, rid, arrival=0.0, num_inference_steps=num_inference_steps,
                   priority=priority)  # fmt: skip
     for _ in range(MIN_SAMPLES_FOR_BOUND):
-        scheduler.step_costs.observe(request.batch_key, 1, 0.001)
+        scheduler.step_costs.observe(request.batch_key, 1, MS)
     return scheduler, clock, request
 
 
@@ -357,23 +371,23 @@ def test_step_costs_count_the_time_between_steps_and_an_idle_start_its_admission
     arrival to its first wave, so its start window opens at its arrival."""
     scheduler, clock, request = step_scheduler_on_a_virtual_clock(num_inference_steps=10)
     costs, key = scheduler.step_costs, request.batch_key
-    clock[0] = 0.0005  # the engine wakes up half a millisecond after the arrival
-    gap, step = 0.0002, 0.001
-    expected_step = 0.001
+    clock.advance(MS / 2)  # the engine wakes up half a millisecond after the arrival
+    gap, step = MS / 4, MS
+    expected_step = MS
     for index in range(10):
         if index:
-            clock[0] += gap
-        out = scheduler.schedule(clock[0])
+            clock.advance(gap)
+        out = scheduler.schedule(clock())
         assert out is not None
-        clock[0] += 0.003 if index == 0 else step
+        clock.advance(3 * MS if index == 0 else step)
         run_wave(scheduler, out)
         if index in (1, 2):
             expected_step += 0.2 * (gap + step - expected_step)
         if index == 2:
-            window_end = clock[0]
+            window_end = clock()
             start_s = window_end - 3 * expected_step  # from the arrival, at 0
             assert costs.start_seconds(key, True) == pytest.approx(start_s)
-    assert costs.seconds_per_step(key, 1) > 0.001 + gap / 2
+    assert costs.seconds_per_step(key, 1) > MS + gap / 2
 
 
 def test_a_pause_is_neither_step_nor_start_cost() -> None:
@@ -384,42 +398,41 @@ def test_a_pause_is_neither_step_nor_start_cost() -> None:
     scheduler, clock, first = step_scheduler_on_a_virtual_clock(num_inference_steps=4)
     costs, key = scheduler.step_costs, first.batch_key
     while scheduler.requests:
-        clock[0] += 5.0  # paused before every step
-        out = scheduler.schedule(clock[0])
+        clock.advance(5.0)  # paused before every step
+        out = scheduler.schedule(clock())
         assert out is not None
-        clock[0] += 0.001
+        clock.advance(MS)
         run_wave(scheduler, out)
-    assert costs.seconds_per_step(key, 1) == pytest.approx(0.001)
-    add(scheduler, "queued", arrival=clock[0], num_inference_steps=4)
-    clock[0] += 1.0  # admitted, then the engine only takes it up a second later
-    for seconds in (0.002, 0.001, 0.001):
-        out = scheduler.schedule(clock[0])
+    assert costs.seconds_per_step(key, 1) == MS
+    add(scheduler, "queued", arrival=clock(), num_inference_steps=4)
+    clock.advance(1.0)  # admitted, then the engine only takes it up a second later
+    for seconds in (2 * MS, MS, MS):
+        out = scheduler.schedule(clock())
         assert out is not None
-        clock[0] += seconds
+        clock.advance(seconds)
         run_wave(scheduler, out)
-    assert costs.start_seconds(key, True) == pytest.approx(0.001)
+    assert costs.start_seconds(key, True) == MS
 
 
 def test_a_start_inside_a_window_opens_a_new_one() -> None:
     """The first waves after a request joins another's start are the joiner's start
     (on a busy engine): the first start's measurement is dropped, not mixed in."""
-    scheduler = make("step", max_num_seqs=4)
-    clock = [0.0]
-    scheduler.clock = lambda: clock[0]
+    clock = VirtualClock()
+    scheduler = make("step", clock, max_num_seqs=4)
     a = add(scheduler, "a", num_inference_steps=10)
     for size in (1, 2):
         for _ in range(MIN_SAMPLES_FOR_BOUND):
-            scheduler.step_costs.observe(a.batch_key, size, 0.001)
-    for name, seconds in (("a", 0.003), ("b", 0.003), (None, 0.001), (None, 0.001)):
+            scheduler.step_costs.observe(a.batch_key, size, MS)
+    for name, seconds in (("a", 3 * MS), ("b", 3 * MS), (None, MS), (None, MS)):
         if name == "b":
-            add(scheduler, name, num_inference_steps=10)
-        out = scheduler.schedule(clock[0])
+            add(scheduler, name, arrival=clock(), num_inference_steps=10)
+        out = scheduler.schedule(clock())
         assert out is not None
-        clock[0] += seconds
+        clock.advance(seconds)
         run_wave(scheduler, out)
     costs = scheduler.step_costs
-    assert costs.start_seconds(a.batch_key, False) == pytest.approx(0.002)
-    assert costs.start_seconds(a.batch_key, True) == pytest.approx(0.002)  # none of its own
+    assert costs.start_seconds(a.batch_key, False) == 2 * MS
+    assert costs.start_seconds(a.batch_key, True) == 2 * MS  # none of its own
 
 
 def test_a_start_window_that_runs_another_key_measures_nothing() -> None:
@@ -430,13 +443,13 @@ def test_a_start_window_that_runs_another_key_measures_nothing() -> None:
     )
     out = scheduler.schedule(0.0)
     assert out is not None and out.scheduled_ids == ("low",)
-    clock[0] += 0.004
+    clock.advance(4 * MS)
     run_wave(scheduler, out)
-    high = add(scheduler, "high", num_inference_steps=6, priority=0, height=16, width=16)
+    high = add(scheduler, "high", clock(), num_inference_steps=6, priority=0, height=16, width=16)
     while scheduler.requests:
-        out = scheduler.schedule(clock[0])
+        out = scheduler.schedule(clock())
         assert out is not None
-        clock[0] += 0.05  # slow waves: any start cost learnt from them would be huge
+        clock.advance(32 * MS)  # slow waves: any start cost learnt from them would be huge
         run_wave(scheduler, out)
     costs = scheduler.step_costs
     assert scheduler.num_preemptions == 1
@@ -446,7 +459,7 @@ def test_a_start_window_that_runs_another_key_measures_nothing() -> None:
 
 
 def test_a_start_window_whose_requests_left_measures_nothing() -> None:
-    """A request that preempts another and ends within its window: the 30 ms the
+    """A request that preempts another and ends within its window: the 32 ms the
     engine then stood empty (less than IDLE_AFTER_S), and the wave that
     resumes the other, are not its start."""
     scheduler, clock, paused = step_scheduler_on_a_virtual_clock(
@@ -454,17 +467,18 @@ def test_a_start_window_whose_requests_left_measures_nothing() -> None:
     )
 
     def wave() -> tuple[str, ...]:
-        out = scheduler.schedule(clock[0])
+        out = scheduler.schedule(clock())
         assert out is not None
-        clock[0] += 0.001
+        clock.advance(MS)
         run_wave(scheduler, out)
         return out.scheduled_ids
 
     assert [wave() for _ in range(3)] == [("paused",)] * 3
-    add(scheduler, "brief", clock[0], num_inference_steps=2, priority=0)
+    add(scheduler, "brief", clock(), num_inference_steps=2, priority=0)
     assert [wave(), wave()] == [("brief",), ("brief",)]  # in the window that its start opened
     assert paused.state is S.PREEMPTED and "brief" not in scheduler.requests
-    clock[0] += 0.03
+    clock.advance(32 * MS)
+    assert 32 * MS < IDLE_AFTER_S
     assert wave() == ("paused",)
     assert scheduler.step_costs.start_seconds(paused.batch_key, False) == 0.0
 
@@ -479,27 +493,27 @@ def test_a_last_step_that_decodes_is_a_finish_cost_not_a_step(steps: int) -> Non
     costs, key = scheduler.step_costs, first.batch_key
     for index in range(MIN_SAMPLES_FOR_BOUND + 1):
         if index:
-            add(scheduler, f"r{index}", clock[0], num_inference_steps=steps)
+            add(scheduler, f"r{index}", clock(), num_inference_steps=steps)
         while scheduler.requests:
-            out = scheduler.schedule(clock[0])
+            out = scheduler.schedule(clock())
             assert out is not None
             last = any(scheduler.requests[r].remaining_steps == 1 for r in out.scheduled_ids)
-            clock[0] += 0.006 if last else 0.001
+            clock.advance(6 * MS if last else MS)
             run_wave(scheduler, out)
-    assert costs.seconds_per_step(key, 1) == pytest.approx(0.001)
-    assert costs.finish_seconds(key) == pytest.approx(0.005)
-    assert costs.finish_seconds(key, least=True) == pytest.approx(0.005)
-    assert costs.start_seconds(key, False) == pytest.approx(0.0, abs=1e-9)
+    assert costs.seconds_per_step(key, 1) == MS
+    assert costs.finish_seconds(key) == 5 * MS
+    assert costs.finish_seconds(key, least=True) == 5 * MS
+    assert costs.start_seconds(key, False) == 0.0
     policy = scheduler.policy
     assert isinstance(policy, SloAwarePolicy)
-    waiting = add(scheduler, "waiting", clock[0], num_inference_steps=steps)
-    needed = steps * 0.001 + 0.005
-    assert policy.time_needed(waiting, False, 1) == pytest.approx(needed)
-    out = scheduler.schedule(clock[0])
+    waiting = add(scheduler, "waiting", clock(), num_inference_steps=steps)
+    needed = steps * MS + 5 * MS
+    assert policy.time_needed(waiting, False, 1) == needed
+    out = scheduler.schedule(clock())
     assert out is not None
-    clock[0] += 0.001
+    clock.advance(MS)
     run_wave(scheduler, out)
-    assert policy.time_needed(waiting, False, 1) == pytest.approx(needed - 0.001)
+    assert policy.time_needed(waiting, False, 1) == needed - MS
 
 
 @pytest.mark.parametrize("engine_idle", [True, False])
@@ -511,8 +525,7 @@ def test_slo_judges_a_request_that_has_not_started_by_what_its_start_costs(
     fastest, 1 ms, it would look on time), so a request of another key that
     can runs first; on a busy engine its start costs 0.5 ms, it can make it,
     and goes first as the earliest deadline."""
-    scheduler = make("step", max_num_seqs=1, scheduling_policy="slo")
-    scheduler.clock = lambda: 1.0
+    scheduler = make("step", VirtualClock(start=1.0), max_num_seqs=1, scheduling_policy="slo")
     short = add(scheduler, "short", arrival=1.0, num_inference_steps=10, deadline_s=0.0144)
     medium = add(scheduler, "medium", arrival=1.0, num_inference_steps=25, height=16,
                  width=16, deadline_s=0.04)  # fmt: skip
@@ -574,53 +587,51 @@ def test_the_cost_model_times_only_waves_of_ordinary_steps(mode: str) -> None:
     """In step mode a wave that starts a request also builds its state, so it is not
     timed; the next wave, of requests that ran before, is. A request-mode wave is
     always timed (it holds every step of its requests)."""
-    scheduler = make(mode, max_num_seqs=2)
-    clock = [0.0]
-    scheduler.clock = lambda: clock[0]
+    clock = VirtualClock()
+    scheduler = make(mode, clock, max_num_seqs=2)
     first = add(scheduler, "a")
     key = first.batch_key
-    out = scheduler.schedule(0.0)
+    out = scheduler.schedule(clock())
     assert out is not None
-    clock[0] += 0.4  # a slow start: 100 ms per step of the request's 4
+    clock.advance(0.5)  # a slow start: 125 ms per step of the request's 4
     run_wave(scheduler, out)
     if mode == "request":
-        assert scheduler.step_costs.seconds_per_step(key) == pytest.approx(0.1)
+        assert scheduler.step_costs.seconds_per_step(key) == 0.125
         return
-    assert scheduler.step_costs.seconds_per_step(key) == pytest.approx(0.001)  # the default
-    add(scheduler, "b")
-    out = scheduler.schedule(0.0)  # "a" steps on, "b" starts: not timed
+    assert scheduler.step_costs.seconds_per_step(key) == DEFAULT_STEP_S
+    add(scheduler, "b", clock())
+    out = scheduler.schedule(clock())  # "a" steps on, "b" starts: not timed
     assert out is not None and set(out.scheduled_ids) == {"a", "b"}
-    clock[0] += 0.3
+    clock.advance(0.25)
     run_wave(scheduler, out)
-    out = scheduler.schedule(0.0)
+    out = scheduler.schedule(clock())
     assert out is not None and set(out.scheduled_ids) == {"a", "b"}
-    clock[0] += 0.02
+    clock.advance(16 * MS)
     run_wave(scheduler, out)
-    assert scheduler.step_costs.seconds_per_step(key, 2) == pytest.approx(0.02)
+    assert scheduler.step_costs.seconds_per_step(key, 2) == 16 * MS
 
 
 def test_the_cost_model_does_not_time_a_wave_that_resumes_a_request() -> None:
     """A resumed request's state may come back from host memory in its wave."""
-    scheduler = make("step", max_num_seqs=1, scheduling_policy="priority")
-    clock = [0.0]
-    scheduler.clock = lambda: clock[0]
+    clock = VirtualClock()
+    scheduler = make("step", clock, max_num_seqs=1, scheduling_policy="priority")
     low = add(scheduler, "low", num_inference_steps=3, priority=1)
 
     def one_wave(seconds: float) -> tuple[str, ...]:
-        out = scheduler.schedule(clock[0])
+        out = scheduler.schedule(clock())
         assert out is not None
-        clock[0] += seconds
+        clock.advance(seconds)
         run_wave(scheduler, out)
         return out.scheduled_ids
 
     assert one_wave(0.5) == ("low",)  # starts: not timed
-    assert one_wave(0.01) == ("low",)  # timed
-    add(scheduler, "high", num_inference_steps=1, priority=0)
+    assert one_wave(8 * MS) == ("low",)  # timed
+    add(scheduler, "high", clock(), num_inference_steps=1, priority=0)
     assert one_wave(0.5) == ("high",)  # starts: not timed
     assert low.state is S.PREEMPTED
     assert one_wave(0.5) == ("low",)  # resumes: not timed
     assert scheduler.num_preemptions == 1
-    assert scheduler.step_costs.seconds_per_step(low.batch_key, 1) == pytest.approx(0.01)
+    assert scheduler.step_costs.seconds_per_step(low.batch_key, 1) == 8 * MS
 
 
 # -- preemption ------------------------------------------------------------------------------
@@ -670,8 +681,8 @@ def test_a_request_whose_deadline_passes_while_waiting_is_dropped() -> None:
     out = scheduler.schedule(0.0)
     assert out is not None
     run_wave(scheduler, out)
-    assert scheduler.expire_waiting(0.4) == []
-    assert scheduler.next_wakeup() == pytest.approx(0.5)
+    assert scheduler.expire_waiting(0.5 - MS) == []
+    assert scheduler.next_wakeup() == 0.5
     (ended,) = scheduler.expire_waiting(0.5)
     assert ended.request is doomed and doomed.state is S.FINISHED_ABORTED
     assert ended.event.reason == DEADLINE_REASON
@@ -683,16 +694,16 @@ def test_the_next_wakeup_is_the_deadline_of_a_request_that_may_be_dropped() -> N
     Preempted, the request may be again, and its deadline is the wakeup."""
     scheduler = make("step", max_num_seqs=1, scheduling_policy="priority", deadline_miss="drop")
     add(scheduler, "low", priority=1, num_inference_steps=3, deadline_s=0.5)
-    add(scheduler, "later", priority=1, deadline_s=0.9)
-    assert scheduler.next_wakeup() == pytest.approx(0.5)
+    add(scheduler, "later", priority=1, deadline_s=0.875)
+    assert scheduler.next_wakeup() == 0.5
     out = scheduler.schedule(0.0)
     assert out is not None and out.scheduled_ids == ("low",)
-    assert scheduler.next_wakeup() == pytest.approx(0.9)
+    assert scheduler.next_wakeup() == 0.875
     run_wave(scheduler, out)
     add(scheduler, "high", priority=0, num_inference_steps=1)
-    out = scheduler.schedule(0.1)
+    out = scheduler.schedule(0.125)
     assert out is not None and out.scheduled_ids == ("high",)
-    assert scheduler.next_wakeup() == pytest.approx(0.5), "preempted: it may be dropped again"
+    assert scheduler.next_wakeup() == 0.5, "preempted: it may be dropped again"
     scheduler.abort_request("low", "gone")
     scheduler.abort_request("later", "gone")
     assert scheduler.next_wakeup() is None
@@ -722,7 +733,7 @@ def test_a_preempted_request_past_its_deadline_is_dropped_and_released() -> None
 # -- the aging bound: no starvation ------------------------------------------------------------
 
 AGING_S = 1.0
-TICK_S = 0.01
+TICK_S = 2.0**-7
 
 
 @settings(max_examples=40, deadline=None)
@@ -785,10 +796,10 @@ def test_an_aged_request_is_passed_only_by_older_ones_without_preemption() -> No
     out = scheduler.schedule(0.0)
     assert out is not None
     run_wave(scheduler, out)
-    add(scheduler, "older", 0.1, num_inference_steps=50)
-    add(scheduler, "B", 0.2, num_inference_steps=5, height=16, width=16)
-    add(scheduler, "younger", AGING_S + 0.15, num_inference_steps=200)
-    now = AGING_S + 0.2  # "older" and B have aged, "younger" has not
+    add(scheduler, "older", 0.125, num_inference_steps=50)
+    add(scheduler, "B", 0.25, num_inference_steps=5, height=16, width=16)
+    add(scheduler, "younger", AGING_S + 0.1875, num_inference_steps=200)
+    now = AGING_S + 0.25  # "older" and B have aged, "younger" has not
     out = scheduler.schedule(now)
     assert out is not None and set(out.scheduled_ids) == {"running", "older"}
     while "B" not in out.scheduled_ids:
@@ -796,7 +807,7 @@ def test_an_aged_request_is_passed_only_by_older_ones_without_preemption() -> No
         now += TICK_S
         out = scheduler.schedule(now)
         assert out is not None
-    assert now == pytest.approx(AGING_S + 0.2 + 50 * TICK_S)  # after "older", its 50 steps
+    assert now == AGING_S + 0.25 + 50 * TICK_S  # after "older", its 50 steps
     assert scheduler.requests["younger"].state is S.WAITING
 
 

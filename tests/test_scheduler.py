@@ -1,4 +1,8 @@
-"""The request-mode scheduler against the real request machine, without an engine."""
+"""The request-mode scheduler against the real request machine, without an engine.
+
+Every scheduler here runs on a virtual clock moved by binary fractions of a
+second, so sums of readings are exact and a wakeup falls exactly on a reading.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +12,36 @@ import torch
 from diffusion_runtime import DuplicateRequestError, EngineConfig, QueueFullError, SamplingParams
 from diffusion_runtime.contracts import RunnerOutput
 from diffusion_runtime.fsm import LifecycleViolation, RequestMachine, RequestStatus
-from diffusion_runtime.scheduler import BaseScheduler, Request, RequestScheduler
+from diffusion_runtime.scheduler import BaseScheduler, Request, RequestScheduler, StepScheduler
+from diffusion_runtime.testing.virtual_clock import VirtualClock
+
+pytestmark = pytest.mark.usefixtures("monotonic_offset")
 
 S = RequestStatus
+#: About a millisecond, as a binary fraction.
+TICK = 2.0**-10
+#: The coalescing tests' ``request_batch_max_wait_ms``: 1/8 s, so its stable
+#: window (half of it) is 1/16 s, both binary fractions.
+MAX_WAIT_MS = 125.0
+MAX_WAIT_S = MAX_WAIT_MS / 1000
+STABLE_S = MAX_WAIT_S / 2
 
 
-def make(max_num_seqs: int = 4, **config: object) -> RequestScheduler:
+def make(
+    max_num_seqs: int = 4, clock: VirtualClock | None = None, **config: object
+) -> RequestScheduler:
     machine: RequestMachine[Request] = RequestMachine()
-    return RequestScheduler(machine, EngineConfig(max_num_seqs=max_num_seqs, **config))  # type: ignore[arg-type]
+    scheduler = RequestScheduler(machine, EngineConfig(max_num_seqs=max_num_seqs, **config))  # type: ignore[arg-type]
+    scheduler.clock = VirtualClock() if clock is None else clock
+    return scheduler
 
 
 def add(scheduler: BaseScheduler, rid: str, steps: int = 4, **params: object) -> Request:
+    """Admit a request that arrives now on the scheduler's (virtual) clock."""
     p = SamplingParams(num_inference_steps=steps, **params)  # type: ignore[arg-type]
-    request = Request(rid, rid, p, seed=0, batch_key=scheduler.batch_key_for(p))
+    request = Request(
+        rid, rid, p, seed=0, batch_key=scheduler.batch_key_for(p), arrival_time=scheduler.clock()
+    )
     scheduler.add_request(request)
     return request
 
@@ -82,10 +103,9 @@ def test_abort_while_waiting_and_while_running() -> None:
 
 
 def test_step_mode_reports_finished_ids_of_requests_the_workers_saw() -> None:
-    from diffusion_runtime.scheduler import StepScheduler
-
     machine: RequestMachine[Request] = RequestMachine()
     scheduler = StepScheduler(machine, EngineConfig(max_num_seqs=1, execution_mode="step"))
+    scheduler.clock = VirtualClock()
     add(scheduler, "a")
     add(scheduler, "b")
     out = scheduler.schedule(now=0.0)
@@ -139,16 +159,21 @@ def test_preempted_request_goes_back_to_the_head() -> None:
 
 
 def test_admission_coalescing_waits_for_a_fuller_wave_until_the_deadline() -> None:
-    scheduler = make(max_num_seqs=4, request_batch_max_wait_ms=100.0)
-    a = add(scheduler, "a")
-    t0 = a.arrival_time
-    assert scheduler.schedule(now=t0 + 0.001) is None
-    wake = scheduler.next_wakeup()
-    assert wake is not None and t0 < wake <= t0 + 0.1
+    clock = VirtualClock()
+    scheduler = make(max_num_seqs=4, clock=clock, request_batch_max_wait_ms=MAX_WAIT_MS)
+    t0 = add(scheduler, "a").arrival_time
+    clock.advance(TICK)
+    assert scheduler.schedule(now=clock()) is None
+    # It first looked a tick after "a" arrived: quiet for the stable window from then.
+    assert scheduler.next_wakeup() == t0 + TICK + STABLE_S
+    clock.advance(TICK)
     b = add(scheduler, "b")
-    assert scheduler.schedule(now=b.arrival_time + 0.001) is None
-    # Quiet for the stable window (min(0.3 s, 100 ms / 2) = 50 ms): run what we have.
-    out = scheduler.schedule(now=b.arrival_time + 0.051)
+    clock.advance(TICK)
+    assert scheduler.schedule(now=clock()) is None
+    assert scheduler.next_wakeup() == b.arrival_time + STABLE_S
+    # Quiet for the stable window (min(0.3 s, max wait / 2)) after "b": run what we have.
+    clock.advance(STABLE_S - TICK)
+    out = scheduler.schedule(now=clock())
     assert out is not None and out.scheduled_ids == ("a", "b")
 
 
@@ -161,16 +186,21 @@ def test_admission_coalescing_fires_at_once_when_the_wave_is_full() -> None:
 
 
 def test_admission_coalescing_deadline_caps_the_wait() -> None:
-    scheduler = make(max_num_seqs=8, request_batch_max_wait_ms=100.0)
+    clock = VirtualClock()
+    scheduler = make(max_num_seqs=8, clock=clock, request_batch_max_wait_ms=MAX_WAIT_MS)
     t0 = add(scheduler, "a").arrival_time
     assert scheduler.schedule(now=t0) is None  # the engine is idle: it looks at once
-    # Arrivals every 40 ms never leave the queue quiet for the 50 ms window...
-    add(scheduler, "b").arrival_time = t0 + 0.04
-    add(scheduler, "c").arrival_time = t0 + 0.08
-    assert scheduler.schedule(now=t0 + 0.099) is None
-    assert scheduler.next_wakeup() == pytest.approx(t0 + 0.1)
-    # ...so the oldest request's 100 ms deadline is what ends the wait.
-    out = scheduler.schedule(now=t0 + 0.1)
+    # Arrivals every 3/64 s never leave the queue quiet for the 1/16 s window...
+    for rid in "bc":
+        clock.advance(3 * 2.0**-6)
+        add(scheduler, rid)
+    clock.advance(MAX_WAIT_S - 6 * 2.0**-6 - TICK)
+    assert scheduler.schedule(now=clock()) is None
+    assert scheduler.next_wakeup() == t0 + MAX_WAIT_S
+    # ...so the oldest request's 1/8 s deadline is what ends the wait.
+    clock.advance(TICK)
+    assert clock() == t0 + MAX_WAIT_S
+    out = scheduler.schedule(now=clock())
     assert out is not None and out.scheduled_ids == ("a", "b", "c")
 
 
@@ -178,18 +208,24 @@ def test_time_behind_another_wave_does_not_use_up_the_coalescing_window() -> Non
     """Requests that waited through a busy engine still wait for company once it
     is free: clients that resubmit on every answer would otherwise split into
     groups whose waves alternate."""
-    scheduler = make(max_num_seqs=8, request_batch_max_wait_ms=100.0)
+    clock = VirtualClock()
+    scheduler = make(max_num_seqs=8, clock=clock, request_batch_max_wait_ms=MAX_WAIT_MS)
     t0 = add(scheduler, "a").arrival_time
-    add(scheduler, "b").arrival_time = t0
-    # The engine first looks 500 ms later (another wave ran): a fresh window starts.
-    assert scheduler.schedule(now=t0 + 0.5) is None
-    assert scheduler.next_wakeup() == pytest.approx(t0 + 0.55)  # quiet for 50 ms from then
-    add(scheduler, "c").arrival_time = t0 + 0.53  # the other group's request comes back
-    assert scheduler.schedule(now=t0 + 0.531) is None
-    assert scheduler.next_wakeup() == pytest.approx(t0 + 0.58)
-    out = scheduler.schedule(now=t0 + 0.58)
+    add(scheduler, "b")
+    # The engine first looks 1/2 s later (another wave ran): a fresh window starts.
+    clock.advance(0.5)
+    assert scheduler.schedule(now=clock()) is None
+    assert scheduler.next_wakeup() == t0 + 0.5 + STABLE_S  # quiet for the window from then
+    clock.advance(2.0**-5)
+    add(scheduler, "c")  # the other group's request comes back
+    clock.advance(TICK)
+    assert scheduler.schedule(now=clock()) is None
+    wake = t0 + 0.5 + 2.0**-5 + STABLE_S  # before the fresh window's deadline, at 5/8 s
+    assert scheduler.next_wakeup() == wake
+    clock.advance(wake - clock())
+    out = scheduler.schedule(now=clock())
     assert out is not None and out.scheduled_ids == ("a", "b", "c")
     # The next wave's window starts afresh.
     d = add(scheduler, "d")
     assert scheduler.schedule(now=d.arrival_time) is None
-    assert scheduler.next_wakeup() == pytest.approx(d.arrival_time + 0.05)
+    assert scheduler.next_wakeup() == d.arrival_time + STABLE_S
