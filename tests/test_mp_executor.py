@@ -269,6 +269,22 @@ def test_one_worker_serves_the_same_bits_as_uni_and_survives_request_failures(
     assert mp.generate(["still serving"], FAST)[0].ok
 
 
+# Deeper than pickling can recurse; the input bounds count each link as one item.
+DEEPER_THAN_PICKLE = 100_000
+
+
+@attrs.define
+class Link:
+    inner: Link | None
+
+
+def chain(depth: int) -> Link | None:
+    link = None
+    for _ in range(depth):
+        link = Link(link)
+    return link
+
+
 def test_admission_errors_keep_their_type_and_field(engines: Build) -> None:
     engine = engines(mp_config("mp-test-faults"))  # a registered name reaches the workers
     with pytest.raises(InvalidFieldError) as bad_prompt:
@@ -281,6 +297,15 @@ def test_admission_errors_keep_their_type_and_field(engines: Build) -> None:
     with pytest.raises(InvalidFieldError, match="must be picklable") as unpicklable:
         engine.generate([threading.Lock()], FAST)
     assert unpicklable.value.field == "prompt"
+    with pytest.raises(InvalidFieldError, match="must be picklable") as unpicklable_args:
+        engine.generate(["x"], attrs.evolve(FAST, extra_args={"lock": threading.Lock()}))
+    assert unpicklable_args.value.field == "extra_args"
+    with pytest.raises(InvalidFieldError, match="nested too deeply") as deep:
+        engine.generate([chain(DEEPER_THAN_PICKLE)], FAST)
+    assert deep.value.field == "prompt"
+    with pytest.raises(InvalidFieldError, match="nested too deeply") as deep_args:
+        engine.generate(["x"], attrs.evolve(FAST, extra_args={"deep": chain(DEEPER_THAN_PICKLE)}))
+    assert deep_args.value.field == "extra_args"
     assert engine.generate(["fine"], FAST)[0].ok
 
 

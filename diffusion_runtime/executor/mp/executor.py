@@ -18,8 +18,9 @@ import attrs
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
-from diffusion_runtime.errors import EngineDeadError, InvalidFieldError, RPCError
+from diffusion_runtime.errors import EngineDeadError, RPCError
 from diffusion_runtime.executor.base import DiffusionExecutor, check_request_input
+from diffusion_runtime.executor.failure import SHUT_DOWN, report_failure
 from diffusion_runtime.executor.mp.calls import CallTable
 from diffusion_runtime.executor.mp.group import WorkerGroup
 from diffusion_runtime.executor.mp.messages import (
@@ -39,6 +40,7 @@ from diffusion_runtime.executor.mp.monitor import DeathMonitor
 from diffusion_runtime.executor.mp.pump import ResultPump
 from diffusion_runtime.executor.mp.segments import SEGMENT_PREFIX, OutputReader, sweep
 from diffusion_runtime.executor.mp.spec import WorkerSpec, worker_config
+from diffusion_runtime.executor.request_checks import serialised_request
 from diffusion_runtime.executor.rpc_checks import (
     checked_method,
     checked_reply_rank,
@@ -47,8 +49,6 @@ from diffusion_runtime.executor.rpc_checks import (
 from diffusion_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_SHUT_DOWN = "the executor was shut down"
 
 
 class MultiprocExecutor(DiffusionExecutor):
@@ -87,7 +87,7 @@ class MultiprocExecutor(DiffusionExecutor):
         self._pump = ResultPump(self._group.result_connections, functools.partial(_deliver, this))
         self._monitor = DeathMonitor(
             self._group,
-            functools.partial(_report_death, this),
+            functools.partial(report_failure, this),
             config.shutdown_grace_s,
             config.worker_liveness_timeout_s,
         )
@@ -179,7 +179,7 @@ class MultiprocExecutor(DiffusionExecutor):
         params must pickle, or they could never reach the workers.
         """
         check_request_input(prompt, params)
-        payload = _pickled_request(prompt, params)
+        payload = serialised_request(prompt, params, dumps, "worker processes")
         if not self._rank0_validates:
             return
         self.check_health()
@@ -252,24 +252,6 @@ class MultiprocExecutor(DiffusionExecutor):
         self._monitor.stop_workers()
 
 
-def _pickled_request(prompt: Any, params: SamplingParams) -> bytes:
-    """``(prompt, params)`` pickled for rank 0; a field that cannot be is named."""
-    try:
-        return dumps((prompt, params))
-    except (pickle.PicklingError, AttributeError, TypeError, RecursionError) as exc:
-        cause = exc
-    try:
-        dumps(params.extra_args)
-    except (pickle.PicklingError, AttributeError, TypeError, RecursionError):
-        owner, field, value = "SamplingParams", "extra_args", params.extra_args
-    else:
-        owner, field, value = "request", "prompt", prompt
-    rule = "must be picklable to reach worker processes"
-    if isinstance(cause, RecursionError):
-        rule = "is nested too deeply to pickle"
-    raise InvalidFieldError(owner, field, rule, value) from cause
-
-
 def _load_reply(method: str, payload: bytes) -> Any:
     try:
         return loads(payload)
@@ -289,12 +271,6 @@ def _deliver(executor_ref: weakref.ref[MultiprocExecutor], message: FromWorker) 
     return True
 
 
-def _report_death(executor_ref: weakref.ref[MultiprocExecutor], reason: str) -> None:
-    executor = executor_ref()
-    if executor is not None:
-        executor.mark_failed(reason)
-
-
 def _release(
     calls: CallTable,
     monitor: DeathMonitor,
@@ -306,7 +282,7 @@ def _release(
     grace: float,
 ) -> None:
     """Shut everything down, in an order where nothing waits on what is already gone."""
-    calls.close(_SHUT_DOWN)
+    calls.close(SHUT_DOWN)
     monitor.close()
     group.stop(grace)
     pump.close()

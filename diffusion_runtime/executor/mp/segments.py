@@ -33,6 +33,7 @@ import numpy
 import torch
 
 from diffusion_runtime.errors import EngineDeadError
+from diffusion_runtime.executor.failure import SHUT_DOWN
 from diffusion_runtime.executor.mp.messages import ImageSlot
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ class OutputReader:
         """Read ``slots`` from segment ``name``, or from ``inline`` when it is None."""
         with self._lock:
             if self._closed:
-                raise EngineDeadError("the executor was shut down")
+                raise EngineDeadError(SHUT_DOWN)
             if name is None:
                 return read_slots(numpy.frombuffer(inline, dtype=numpy.uint8), slots, skip)
             segment = self._mapped.get(name)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import pickle
 import time
 import weakref
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import EngineDeadError, InvalidFieldError, RPCError
 from diffusion_runtime.executor.base import DiffusionExecutor, check_request_input
+from diffusion_runtime.executor.failure import SHUT_DOWN, report_failure
 from diffusion_runtime.executor.portable import require_serialisable, with_portable_pipeline
 from diffusion_runtime.executor.ray.connection import RayConnection
 from diffusion_runtime.executor.ray.failures import is_lost_worker, remote_cause
@@ -24,6 +24,7 @@ from diffusion_runtime.executor.ray.group import RayWorkerGroup
 from diffusion_runtime.executor.ray.liveness import LivenessMonitor
 from diffusion_runtime.executor.ray.transport import WaveReply
 from diffusion_runtime.executor.ray.waves import WaveTable
+from diffusion_runtime.executor.request_checks import serialised_request
 from diffusion_runtime.executor.rpc_checks import (
     checked_method,
     checked_reply_rank,
@@ -38,7 +39,6 @@ logger = logging.getLogger(__name__)
 OUTPUT_RANK = 0
 # How often a blocked call looks up from Ray to see whether the executor failed meanwhile.
 _FAILURE_POLL_S = 0.05
-_SHUT_DOWN = "the executor was shut down"
 
 
 class RayExecutor(DiffusionExecutor):
@@ -76,7 +76,7 @@ class RayExecutor(DiffusionExecutor):
         self._monitor = LivenessMonitor(
             self._actors,
             config.ray_liveness_timeout_s,
-            functools.partial(_report_failure, weakref.ref(self)),
+            functools.partial(report_failure, weakref.ref(self)),
         )
         self._finalizer = weakref.finalize(
             self, _release, self._monitor, self._group, config.shutdown_grace_s
@@ -134,12 +134,7 @@ class RayExecutor(DiffusionExecutor):
         serialise, or they could never reach the workers.
         """
         check_request_input(prompt, params)
-        try:
-            _serialise((prompt, params))
-        except (pickle.PicklingError, AttributeError, TypeError) as exc:
-            raise InvalidFieldError(
-                "request", "prompt", "must be picklable to reach Ray worker actors", prompt
-            ) from exc
+        serialised_request(prompt, params, _serialise, "Ray worker actors")
         if not self._validates:
             return
         self._check_usable()
@@ -199,11 +194,11 @@ class RayExecutor(DiffusionExecutor):
     def _check_usable(self) -> None:
         self.check_health()
         if self._shut_down:
-            raise EngineDeadError(_SHUT_DOWN)
+            raise EngineDeadError(SHUT_DOWN)
 
     def _as_runtime_error(self, exc: ray.exceptions.RayError, what: str) -> BaseException:
         if self._shut_down:
-            return EngineDeadError(_SHUT_DOWN)
+            return EngineDeadError(SHUT_DOWN)
         if is_lost_worker(exc):
             reason = f"a Ray worker was lost during {what}: {exc}"
             self.mark_failed(reason)
@@ -241,12 +236,6 @@ def _serialise(value: object) -> bytes:
     """``value`` as Ray sends it to an actor (cloudpickle: lambdas and local classes too)."""
     data: bytes = cloudpickle.dumps(value)  # type: ignore[no-untyped-call]
     return data
-
-
-def _report_failure(executor_ref: weakref.ref[RayExecutor], reason: str) -> None:
-    executor = executor_ref()
-    if executor is not None:
-        executor.mark_failed(reason)
 
 
 def _release(monitor: LivenessMonitor, group: RayWorkerGroup, grace: float) -> None:
