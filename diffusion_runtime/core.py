@@ -1,13 +1,17 @@
 """EngineCore: the synchronous heart of the runtime.
 
-One core owns the request machine, the scheduler and the executor. It has no
-thread, no lock and no queue of its own: whoever drives it calls
-:meth:`EngineCore.step` in a loop, and each step is
+One core owns the request machine, the scheduler, the executor and an inbox.
+It has no thread of its own: any thread may queue requests and aborts (and
+pause or resume), and whoever drives the core calls :meth:`EngineCore.step` in
+a loop. Each step is
 
-1. ``scheduler.schedule()`` picks a wave and returns a ``SchedulerOutput``;
-2. ``executor.execute(output)`` runs it on the workers;
-3. ``scheduler.update_from_output()`` fires the transitions the results decide;
-4. the step returns this step's outputs, built as values from those transitions.
+1. take the inbox (unless paused): admit its requests and apply its aborts, in order;
+2. ``scheduler.schedule()`` picks a wave and returns a ``SchedulerOutput``;
+3. ``executor.execute(output)`` runs it on the workers;
+4. take the inbox again: aborts that arrived during the wave win over its results;
+5. ``scheduler.update_from_output()`` fires the transitions the results decide;
+6. the step returns a :class:`StepResult`: this step's outputs, built as values
+   from those transitions, whether a wave ran, and when to step next.
 
 A wave comes back from the executor once its work is enqueued (compute done);
 its images may still be on their way to host memory. Its outputs wait in a
@@ -35,10 +39,22 @@ import torch
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.delivery_queue import DeliveryQueue
-from diffusion_runtime.errors import EngineDeadError, describe_error
+from diffusion_runtime.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    QueueFullError,
+    describe_error,
+)
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.executor.selection import resolve_executor_class
-from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine, RequestStatus, Trigger
+from diffusion_runtime.fsm import (
+    STARTED_STATES,
+    Hook,
+    LifecycleEvent,
+    RequestMachine,
+    RequestStatus,
+    Trigger,
+)
 from diffusion_runtime.fsm.audit import Auditor, InvariantViolation, Violation
 from diffusion_runtime.fsm.events import (
     AbortEvent,
@@ -48,6 +64,7 @@ from diffusion_runtime.fsm.events import (
     WaveEvent,
 )
 from diffusion_runtime.fsm.trace import JsonlTraceWriter
+from diffusion_runtime.inbox import CoreInbox, Queued, QueuedAbort, QueuedRequest
 from diffusion_runtime.outputs import RequestMetrics, RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler, Ended
@@ -58,6 +75,9 @@ from diffusion_runtime.scheduler.step_scheduler import StepScheduler
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+#: The id of the warm-up request (:meth:`EngineCore.warm_up`).
+WARMUP_REQUEST_ID = "warmup"
 
 #: An output and the request it belongs to (traced when it is delivered).
 _Outgoing = tuple[Request, RequestOutput]
@@ -80,11 +100,32 @@ class EngineSnapshot:
     runner_offloaded_ids: frozenset[str] = frozenset()
 
 
+@attrs.frozen
+class StepResult:
+    """What one :meth:`EngineCore.step` did.
+
+    ``outputs``: the outputs it produced, in order. ``executed``: whether it
+    sent a wave (or a release) to the workers. ``wake_at`` (on the core's
+    clock): when the core next needs a step if nothing new arrives; ``None``
+    means only new input (or :meth:`EngineCore.resume`) gives it work.
+    """
+
+    outputs: list[RequestOutput]
+    executed: bool
+    wake_at: float | None
+
+    def wait_s(self, now: float) -> float | None:
+        """How long a driver may sleep before the next step (``None``: until input)."""
+        return None if self.wake_at is None else max(0.0, self.wake_at - now)
+
+
 class EngineCore:
     """Admits requests, runs them one step at a time, and returns their outputs.
 
-    Not thread-safe: one thread at a time calls its methods. A request's input
-    must have passed :meth:`validate` (fronts do this before admitting it).
+    :meth:`add_request`, :meth:`abort`, :meth:`pause`, :meth:`resume` and
+    :attr:`queue_length` may be called from any thread; everything else from
+    the one thread that drives the core. A request's input must have passed
+    :meth:`validate` (fronts do this before admitting it).
     After :class:`EngineDeadError` the core is dead for good: every request
     has failed and every later :meth:`step` raises the same error.
 
@@ -115,15 +156,16 @@ class EngineCore:
         self._deliveries: DeliveryQueue[_Outgoing] = DeliveryQueue()
         # Delivered by a step that a KeyboardInterrupt stopped: returned by the next one.
         self._interrupted_outputs: list[RequestOutput] = []
+        # Final outputs of queued requests the scheduler refused (an id raced another
+        # thread's request): they have no lifecycle, so they are not traced.
+        self._refused: list[RequestOutput] = []
         self._last_batch_key: tuple[SamplingParams | None, Hashable] = (None, None)
         self._dead: EngineDeadError | None = None
         self._shut_down = False
         # Set when an abort ends a running request whose runner state the workers
         # hold: released before the core returns, so no caller ever sees it held.
         self._release_due = False
-        self._in_step = False
-        #: Whether the last :meth:`step` ran a wave (``False``: nothing was ready).
-        self.last_step_executed = False
+        self._inbox = CoreInbox()
         self.executor = executor if executor is not None else resolve_executor_class(config)(config)
         try:
             self._start_trace()
@@ -159,68 +201,118 @@ class EngineCore:
         seed: int,
         arrival_time: float | None = None,
     ) -> None:
-        """Admit a validated request at the back of the waiting queue.
+        """Queue a validated request; the next :meth:`step` admits it at the back
+        of the waiting queue, before it schedules. Any thread may call this.
 
         ``arrival_time`` (on the core's clock) defaults to now. Raises
         :class:`~diffusion_runtime.errors.DuplicateRequestError` for an id in
         use and :class:`~diffusion_runtime.errors.QueueFullError` at
-        ``max_waiting_requests``; the request is then not admitted.
+        ``max_waiting_requests`` (queued and waiting requests together); the
+        request is then not queued.
         """
         self._check_alive()
-        # One params object is often shared by many prompts: compute its key once.
-        cached_params, batch_key = self._last_batch_key
-        if params is not cached_params:
-            batch_key = self.scheduler.batch_key_for(params)
-            self._last_batch_key = (params, batch_key)
         arrival = self.clock() if arrival_time is None else arrival_time
-        request = Request(request_id, prompt, params, seed, batch_key, arrival)
-        self.scheduler.add_request(request)
+        queued = QueuedRequest(request_id, prompt, params, seed, arrival)
+        self._inbox.put_request(queued, lambda num_queued: self._check_room(request_id, num_queued))
+
+    def _check_room(self, request_id: str, num_queued: int) -> None:
+        if request_id in self.scheduler.requests:
+            raise DuplicateRequestError(
+                f"request id {request_id!r} is already in use by an active request"
+            )
+        limit = self.config.max_waiting_requests
+        if limit is not None and num_queued + self.scheduler.num_waiting >= limit:
+            raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
 
     def abort(self, request_ids: Iterable[str], reason: str = "aborted by the caller") -> None:
-        """Abort active requests now; their final outputs come with the next :meth:`step`.
+        """Queue an abort; the next :meth:`step` applies it before it schedules (or,
+        inside a step, once its wave ran, so it wins over the wave's results).
+        Any thread may call this.
 
-        Unknown and finished ids are ignored: a caller racing a completion is
-        normal. Runner state the workers hold for an aborted running request is
-        released before this returns (inside a step: before the step returns).
+        Ids unknown or finished when the abort is applied are ignored: a caller
+        racing a completion is normal. The runner state of an aborted running
+        request is released before the step that applied the abort returns.
         """
         self._check_alive()
-        self._guarded(lambda: self._abort(request_ids, reason))
+        self._inbox.put_abort(QueuedAbort(tuple(request_ids), reason))
 
-    def _abort(self, request_ids: Iterable[str], reason: str) -> None:
-        for request_id in request_ids:
-            if self.machine.traced:
-                self.machine.publish(AbortEvent(request_id, reason, time.monotonic()))
-            ended = self.scheduler.abort_request(request_id, reason)
-            if ended is not None:
-                self._pending.append(self._final_output(ended, None))
-                if ended.event.source in _HOLDS_RUNNER_STATE:
-                    self._release_due = self.scheduler.keeps_runner_state
-        if self._release_due and not self._in_step:
-            self._send_release()
+    def pause(self) -> None:
+        """Start no wave until :meth:`resume`; requests and aborts queue up meanwhile.
+        A step that is running finishes. Any thread may call this."""
+        self._inbox.pause()
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`. The first step after it takes everything queued before
+        this returned: requests admitted meanwhile share its schedule, and aborts
+        queued meanwhile apply before any wave. Any thread may call this."""
+        self._inbox.resume()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._inbox.paused
+
+    @property
+    def queue_length(self) -> int:
+        """Requests queued or admitted and not yet scheduled."""
+        return self._inbox.num_requests + self.scheduler.num_waiting
+
+    def has_input(self) -> bool:
+        """Whether requests or aborts are queued and not held by a pause."""
+        return self._inbox.has_input()
 
     def has_unfinished(self) -> bool:
-        """Whether a :meth:`step` has anything to do: requests, outputs, or releases."""
+        """Whether a :meth:`step` has anything to do: queued input, requests,
+        outputs, or releases."""
         return (
-            self.scheduler.has_unfinished_requests()
+            self._inbox.has_input()
+            or self.scheduler.has_unfinished_requests()
             or bool(self._pending)
             or bool(self._interrupted_outputs)
             or bool(self._deliveries)
             or self.scheduler.has_pending_release()
         )
 
-    def next_wakeup(self) -> float | None:
-        """When a scheduler that is waiting (to fill a wave) wants the next step."""
-        return self.scheduler.next_wakeup()
+    def _take_inbox(self, queued: list[Queued]) -> None:
+        """Admit the queued requests and apply the queued aborts, in the order they came."""
+        for item in queued:
+            if isinstance(item, QueuedRequest):
+                self._admit(item)
+            else:
+                self._apply_abort(item)
+
+    def _admit(self, queued: QueuedRequest) -> None:
+        # One params object is often shared by many prompts: compute its key once.
+        params = queued.params
+        cached_params, batch_key = self._last_batch_key
+        if params is not cached_params:
+            batch_key = self.scheduler.batch_key_for(params)
+            self._last_batch_key = (params, batch_key)
+        request = Request(
+            queued.request_id, queued.prompt, params, queued.seed, batch_key, queued.arrival_time
+        )
+        try:
+            self.scheduler.add_request(request)
+        except (DuplicateRequestError, QueueFullError) as exc:  # raced another thread's request
+            self._refused.append(_refused(queued, exc))
+
+    def _apply_abort(self, abort: QueuedAbort) -> None:
+        for request_id in abort.request_ids:
+            if self.machine.traced:
+                self.machine.publish(AbortEvent(request_id, abort.reason, time.monotonic()))
+            ended = self.scheduler.abort_request(request_id, abort.reason)
+            if ended is not None:
+                self._pending.append(self._final_output(ended, None))
+                if ended.event.source in STARTED_STATES and self.scheduler.keeps_runner_state:
+                    self._release_due = True
 
     # -- one step ------------------------------------------------------------------------
 
-    def step(self, late_aborts: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """Run one wave (or one denoising step) and return the outputs it produced.
+    def step(self) -> StepResult:
+        """Take the inbox, run one wave (or one denoising step), and return what it produced.
 
-        Outputs of aborts made since the last step come first. ``late_aborts``
-        runs after the workers ran the wave and before its results are
-        committed: aborts it makes (with :meth:`abort`) win over the wave's
-        results, as a front needs for aborts that arrived during the wave. A failed wave
+        Outputs of aborts come first. Aborts queued while the workers ran the
+        wave are applied before its results are committed, and win over them.
+        While paused, a step only delivers outputs already due. A failed wave
         fails its requests; a dead executor, or an error inside the core
         itself, kills the core: every request fails and
         :class:`EngineDeadError` is raised. A ``KeyboardInterrupt`` while the
@@ -228,11 +320,7 @@ class EngineCore:
         the next step) and is re-raised; the core lives on.
         """
         self._check_alive()
-        self._in_step = True
-        try:
-            return self._guarded(lambda: self._step(late_aborts))
-        finally:
-            self._in_step = False
+        return self._guarded(self._step)
 
     def _guarded(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn``; any error but an interrupted wave kills the core."""
@@ -247,8 +335,13 @@ class EngineCore:
                 raise
             raise error from exc
 
-    def _step(self, late_aborts: Callable[[], None] | None) -> list[RequestOutput]:
+    def _step(self) -> StepResult:
         outputs, self._interrupted_outputs = self._interrupted_outputs, []
+        queued = self._inbox.take()
+        if queued is None:  # paused: start nothing
+            return StepResult(outputs + self._delivered(wait=True), False, None)
+        self._take_inbox(queued)
+        outputs += self._take_refused()
         self._deliveries.put(self._pending)
         self._pending = []
         self._release_due = False  # this step's output carries every id finished so far
@@ -257,9 +350,9 @@ class EngineCore:
         expired = self.scheduler.expire_waiting(now)
         self._deliveries.put(self._final_output(ended, None) for ended in expired)
         output = self._trace_wave(self.scheduler.schedule(now))
-        self.last_step_executed = output is not None
         if output is None:  # nothing left to overlap with: wait for copies in flight
-            return outputs + self._delivered(wait=True)
+            outputs += self._delivered(wait=True)
+            return StepResult(outputs, False, self._wake_at(executed=False))
         interrupted = False
         try:
             result = self._execute(output)
@@ -270,10 +363,29 @@ class EngineCore:
         # This wave's work is enqueued: now wait for the copies of earlier waves, so a
         # request's outputs are out before its terminal transition can come.
         outputs += self._delivered(wait=True)
-        if late_aborts is not None:
-            late_aborts()
-            self._deliveries.put(self._pending)
-            self._pending = []
+        outputs += self._take_wave_inbox()
+        self._commit(output, result)
+        if self._release_due:
+            self._send_release()
+        if interrupted:  # the outputs come with the next step
+            self._interrupted_outputs = outputs
+            raise _WaveInterrupted
+        outputs += self._delivered(wait=False)
+        return StepResult(outputs, True, self._wake_at(executed=True))
+
+    def _take_wave_inbox(self) -> list[RequestOutput]:
+        """Take what was queued while the workers ran the wave, before its results
+        are committed: its aborts win over them. Returns refused requests' outputs."""
+        queued = self._inbox.take()
+        if not queued:
+            return []
+        self._take_inbox(queued)
+        self._deliveries.put(self._pending)
+        self._pending = []
+        return self._take_refused()
+
+    def _commit(self, output: SchedulerOutput, result: RunnerOutput) -> None:
+        """Fire the transitions a wave's results decide and queue their outputs."""
         produced = [
             self._final_output(ended, result.images.get(ended.request.request_id))
             for ended in self.scheduler.update_from_output(output, result)
@@ -281,12 +393,18 @@ class EngineCore:
         if self.config.streaming_output and result.progress:
             produced.extend(self._progress_outputs(result))
         self._deliveries.put(produced, result.output_ready)
-        if self._release_due:
-            self._send_release()
-        if interrupted:  # the outputs come with the next step
-            self._interrupted_outputs = outputs
-            raise _WaveInterrupted
-        return outputs + self._delivered(wait=False)
+
+    def _wake_at(self, *, executed: bool) -> float | None:
+        """When the next step is due: now while work is left, else the scheduler's
+        wake-up (it waits to fill a wave or for a deadline), else on input."""
+        if not self.has_unfinished():
+            return None
+        wakeup = self.scheduler.next_wakeup()
+        return self.clock() if executed or wakeup is None else wakeup
+
+    def _take_refused(self) -> list[RequestOutput]:
+        refused, self._refused = self._refused, []
+        return refused
 
     def _execute(self, output: SchedulerOutput) -> RunnerOutput:
         try:
@@ -364,6 +482,26 @@ class EngineCore:
 
     # -- control -------------------------------------------------------------------------
 
+    def warm_up(self) -> None:
+        """Run the pipeline's warm-up request (if it names one) to its end before
+        serving; raise if it fails. Call it before any other request is queued."""
+        warmup = self.collective_rpc("warmup_request", unique_reply_rank=0)
+        if warmup is None:
+            return
+        prompt, params = warmup
+        self.validate(prompt, params)
+        self.add_request(WARMUP_REQUEST_ID, prompt, params, params.seed or 0)
+        while self.has_unfinished():
+            for output in self.step().outputs:
+                if output.finished and not output.ok:
+                    raise RuntimeError(f"the warm-up request failed: {output.error}")
+
+    def check_health(self) -> None:
+        """Raise :class:`EngineDeadError` if the core or its executor has failed or
+        the core was shut down."""
+        self._check_alive()
+        self.executor.check_health()
+
     def collective_rpc(
         self,
         method: str,
@@ -405,13 +543,16 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         try:
             if self._dead is None:
+                # Queued requests are admitted, so each ends with a lifecycle of its own.
+                self._take_inbox(self._inbox.take_all())
+                outputs += self._take_refused()
                 self._deliveries.put(self._pending)
                 self._deliveries.put(
                     self._final_output(ended, None)
                     for ended in self.scheduler.finish_all(Trigger.ABORT, reason)
                 )
                 self._pending = []
-                outputs = self._interrupted_outputs + self._delivered(wait=True)
+                outputs += self._interrupted_outputs + self._delivered(wait=True)
                 self._interrupted_outputs = []
                 self._release_everything_on_workers()
         finally:
@@ -433,7 +574,9 @@ class EngineCore:
         if self._dead is not None:
             return
         self._dead = error
+        self._inbox.take_all()
         self._pending = []
+        self._refused = []
         self._interrupted_outputs = []
         self._deliveries.clear()
         try:
@@ -552,12 +695,20 @@ class EngineCore:
         )
 
 
-#: The states in which the workers may hold a request's runner state (step mode).
-_HOLDS_RUNNER_STATE = (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
-
-
 class _WaveInterrupted(Exception):
     """A KeyboardInterrupt stopped a wave; the wave's requests have failed."""
+
+
+def _refused(queued: QueuedRequest, error: Exception) -> RequestOutput:
+    """The final output of a queued request the scheduler would not admit."""
+    return RequestOutput(
+        request_id=queued.request_id,
+        status=RequestStatus.FINISHED_ERROR,
+        finished=True,
+        image_batch=None,
+        seed=queued.seed,
+        error=describe_error(error),
+    )
 
 
 def _as_dead(exc: BaseException) -> EngineDeadError:

@@ -9,12 +9,15 @@ driver lock and calls ``core.step()`` in a loop):
   thread, as an offline engine should: the pipeline runs on the caller's thread
   with the caller's torch thread team, and nothing else runs;
 - the async API (:meth:`add_request` / :meth:`stream`) starts a loop thread the
-  first time it is used, and that thread drives from then on;
+  first time it is used, and that thread drives from then on (unless the engine
+  was built with ``background_loop=False``: then the caller drives with
+  :meth:`run_once`, as a test harness that steps the engine in lockstep does);
 - a caller that finds another thread driving waits for its outputs.
 
-Callers on any thread only append to the front's queues (new requests, aborts,
-control calls) under one condition variable; the driver drains them between
-steps, so admission never waits for a wave.
+Callers on any thread queue requests and aborts in the core's inbox (which
+the core takes at the start of each step) and control calls in the front's
+queue (which the driver runs between steps), under one condition variable that
+wakes the driver; admission never waits for a wave.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import attrs
 
 from diffusion_runtime.admission import RequestMinter
 from diffusion_runtime.config import EngineConfig
-from diffusion_runtime.core import EngineCore, EngineSnapshot
+from diffusion_runtime.core import EngineCore, EngineSnapshot, StepResult
 from diffusion_runtime.errors import (
     DuplicateRequestError,
     EngineClosedError,
@@ -45,7 +48,7 @@ from diffusion_runtime.errors import (
 from diffusion_runtime.executor import UniProcExecutor, resolve_executor_class
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.executor.rpc_checks import checked_timeout
-from diffusion_runtime.fsm import RequestMachine, RequestStatus
+from diffusion_runtime.fsm import RequestMachine
 from diffusion_runtime.fsm.audit import Auditor
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.runner.worker import Worker
@@ -77,6 +80,8 @@ class _ControlCall:
 #: A request on its way to the core: id, prompt, params, seed, arrival time.
 _NewRequest = tuple[str, Any, SamplingParams, int, float]
 
+_NO_STEP = StepResult([], False, None)
+
 
 class DiffusionEngine:
     """Serves diffusion requests: admits them, runs them in waves, streams their outputs.
@@ -92,15 +97,15 @@ class DiffusionEngine:
         *,
         scheduler_cls: type[BaseScheduler] | None = None,
         executor: DiffusionExecutor | None = None,
+        background_loop: bool = True,
     ) -> None:
         self.core = EngineCore(config, scheduler_cls=scheduler_cls, executor=executor)
         self.config = config
+        self._background_loop = background_loop
         self._minter = RequestMinter()
-        # Guards the queues and tables below; notified whenever any of them changes,
+        # Guards the tables below; notified whenever they or the core's inbox change,
         # after every step, and when the driver leaves.
         self._changed = threading.Condition()
-        self._inbox: deque[_NewRequest] = deque()
-        self._aborts: deque[tuple[str, OutputSink, str]] = deque()
         self._control: deque[_ControlCall] = deque()
         #: The sink of every admitted request whose final output is not delivered yet.
         self._sinks: dict[str, OutputSink] = {}
@@ -111,7 +116,6 @@ class DiffusionEngine:
         self._driver_thread: int | None = None
         self._loop_thread: threading.Thread | None = None
         self._closed = False
-        self._paused = False
         self._fatal: EngineDeadError | None = None
         self._close_lock = threading.Lock()
 
@@ -134,7 +138,7 @@ class DiffusionEngine:
                 return
             try:
                 if config.warmup:
-                    engine._warm_up()
+                    engine.core.warm_up()
             except BaseException as exc:
                 engine.close()
                 built.set_exception(exc)
@@ -191,6 +195,7 @@ class DiffusionEngine:
         the calling thread runs the steps itself.
         """
         self._refuse_reentry("generate()")
+        timeout = checked_timeout(timeout, owner="generate")
         deadline = None if timeout is None else time.monotonic() + timeout
         prompt_list, params_list = prompts_and_params(prompts, params)
         requests = [
@@ -206,7 +211,7 @@ class DiffusionEngine:
             return waiter.result()
         except BaseException:
             self._abort_for(ids, waiter, "generate call was interrupted")
-            if not self._paused:
+            if not self.core.is_paused:
                 with contextlib.suppress(BaseException):  # let the aborts take effect now
                     self._run_until(lambda: waiter.done)
             raise
@@ -261,18 +266,21 @@ class DiffusionEngine:
         or completed if the request won the race).
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        with self._changed:  # resolve now: a later request reusing an id is not the target
-            targets = [(rid, self._sinks.get(rid)) for rid in ids]
-            self._aborts.extend((rid, sink, reason) for rid, sink in targets if sink is not None)
-            self._changed.notify_all()
+        # The core applies aborts in order with admissions, so an abort queued now
+        # never reaches a later request that reuses the id.
+        with self._changed:
+            targets = [rid for rid in ids if rid in self._sinks]
+            if targets:
+                self.core.abort(targets, reason)
+                self._changed.notify_all()
 
     def _abort_for(self, request_ids: Iterable[str], sink: OutputSink, reason: str) -> None:
         """Abort those of ``request_ids`` whose outputs still go to ``sink``."""
         with self._changed:
-            self._aborts.extend(
-                (rid, sink, reason) for rid in request_ids if self._sinks.get(rid) is sink
-            )
-            self._changed.notify_all()
+            targets = [rid for rid in request_ids if self._sinks.get(rid) is sink]
+            if targets and self._fatal is None and not self._closed:
+                self.core.abort(targets, reason)
+                self._changed.notify_all()
 
     # -- control -------------------------------------------------------------------------
 
@@ -302,25 +310,26 @@ class DiffusionEngine:
         """Stop starting waves (or steps) after the current one; requests and
         aborts queue up, while RPCs and snapshots still run. For maintenance,
         and for tests that need requests to pile up."""
-        with self._changed:
-            self._paused = True
+        self.core.pause()
 
     def resume(self) -> None:
-        """Undo :meth:`pause`: queued aborts apply, then scheduling continues."""
+        """Undo :meth:`pause`. Every request admitted before this returns is seen
+        by the first schedule after it, and every abort queued meanwhile applies
+        before any wave."""
         with self._changed:
-            self._paused = False
+            self.core.resume()
             self._changed.notify_all()
 
     def check_health(self) -> None:
         """Raise :class:`EngineDeadError` if the executor or the core has failed,
         :class:`EngineClosedError` once the engine is closed."""
         self._check_open()
-        self.core.executor.check_health()
+        self.core.check_health()
 
     @property
     def queue_length(self) -> int:
         """Requests admitted and not yet scheduled."""
-        return len(self._inbox) + self.core.scheduler.num_waiting
+        return self.core.queue_length
 
     @property
     def is_closed(self) -> bool:
@@ -369,7 +378,7 @@ class DiffusionEngine:
         params = checked_params(params)
         request_id = self._minter.request_id(request_id)
         self.core.validate(prompt, params)
-        return (request_id, prompt, params, self._minter.seed(params), time.monotonic())
+        return (request_id, prompt, params, self._minter.seed(params), self.core.clock())
 
     def _admit(
         self, requests: list[_NewRequest], sink: OutputSink, stream: AsyncStream | None = None
@@ -379,7 +388,6 @@ class DiffusionEngine:
         An id is taken from admission until its final output is delivered, and
         after that while an ``add_request`` stream holds it unread.
         """
-        self._refuse_reentry("admission")
         limit = self.config.max_waiting_requests
         with self._changed:
             self._check_open()
@@ -392,12 +400,36 @@ class DiffusionEngine:
             if limit is not None and self.queue_length + len(requests) > limit:
                 raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
             for request in requests:
+                self.core.add_request(*request)
                 self._sinks[request[0]] = sink
-            self._inbox.extend(requests)
             if stream is not None:
                 # Outputs that come before a reader wait in the stream object.
                 self._unclaimed[requests[0][0]] = stream
             self._changed.notify_all()
+
+    def run_once(self) -> bool:
+        """Drive the core once on this thread: run the control calls queued so far,
+        take one step, and deliver its outputs to their streams. Returns whether
+        the step did anything (ran a wave or delivered an output).
+
+        For callers that drive the engine themselves (``background_loop=False``);
+        raises ``RuntimeError`` while another thread drives it.
+        """
+        self._refuse_reentry("run_once()")
+        self._check_open()
+        if not self._driver.acquire(blocking=False):
+            raise RuntimeError("another thread drives the engine")
+        self._driver_thread = threading.get_ident()
+        try:
+            self._run_control_calls()
+            result = self._step()
+            self._deliver(result.outputs)
+            return result.executed or bool(result.outputs)
+        finally:
+            self._driver_thread = None
+            with self._changed:
+                self._driver.release()
+                self._changed.notify_all()
 
     def _refuse_reentry(self, what: str) -> None:
         """Hooks run on the driving thread: calling back into the engine from
@@ -410,15 +442,6 @@ class DiffusionEngine:
             raise self._fatal
         if self._closed:
             raise EngineClosedError("the engine is closed; it accepts no requests")
-
-    def _warm_up(self) -> None:
-        warmup = self.collective_rpc("warmup_request", unique_reply_rank=0)
-        if warmup is None:
-            return
-        prompt, params = warmup
-        [output] = self.generate([prompt], params)
-        if not output.ok:
-            raise RuntimeError(f"the warm-up request failed: {output.error}")
 
     # -- driving -------------------------------------------------------------------------
 
@@ -464,24 +487,24 @@ class DiffusionEngine:
 
     def _drive(self, done: Callable[[], bool], deadline: float | None) -> None:
         """Steps until ``done()``, the deadline, close or death; idles when nothing can run."""
-        core = self.core
         while True:
-            self._take_inputs()
-            if done() or self._closed or self._fatal is not None:
+            self._run_control_calls()
+            if self._should_stop(done, deadline):
                 return
-            if deadline is not None and time.monotonic() >= deadline:
+            result = self._step()
+            self._deliver(result.outputs)
+            if self._should_stop(done, deadline):
                 return
-            if self._paused or not core.has_unfinished():
-                self._idle(deadline, None)
-                continue
-            self._deliver(self._step())
-            if not core.last_step_executed:
-                self._idle(deadline, core.next_wakeup())
+            self._idle(deadline, result)
 
-    def _take_inputs(self) -> None:
-        """Admit queued requests, apply queued aborts, then run queued control calls
-        (which so see every request and abort their callers made before them)."""
-        self._admit_and_abort()
+    def _should_stop(self, done: Callable[[], bool], deadline: float | None) -> bool:
+        if done() or self._closed or self._fatal is not None:
+            return True
+        return deadline is not None and time.monotonic() >= deadline
+
+    def _run_control_calls(self) -> None:
+        """Run the control calls queued so far (after the requests and aborts their
+        callers queued before them, which the last step took)."""
         with self._changed:
             control = list(self._control)
             self._control.clear()
@@ -491,38 +514,12 @@ class DiffusionEngine:
             with self._changed:  # their callers wait for this
                 self._changed.notify_all()
 
-    def _admit_and_abort(self) -> None:
-        """Hand queued requests to the core, then apply queued aborts (unless paused).
-
-        Runs between steps, and inside a step once its wave has run: aborts that
-        arrived meanwhile win over the wave's results, and so do aborts of
-        requests admitted meanwhile.
-        """
-        with self._changed:
-            if not (self._inbox or (self._aborts and not self._paused)):
-                return
-            inbox = list(self._inbox)
-            self._inbox.clear()
-            aborts: list[tuple[str, OutputSink, str]] = []
-            if not self._paused:
-                aborts = list(self._aborts)
-                self._aborts.clear()
-        core = self.core
-        for request in inbox:
-            try:
-                core.add_request(*request)
-            except (DuplicateRequestError, QueueFullError) as exc:  # the front checked both
-                self._deliver([_refused(request, exc)])
-        for request_id, sink, reason in aborts:
-            if self._sinks.get(request_id) is sink:
-                core.abort([request_id], reason)
-
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> StepResult:
         try:
-            return self.core.step(self._admit_and_abort)
+            return self.core.step()
         except EngineDeadError as error:
             self._die(error)
-            return []
+            return _NO_STEP
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
@@ -545,20 +542,23 @@ class DiffusionEngine:
         with self._changed:  # after the pushes, so a waiter that wakes sees them
             self._changed.notify_all()
 
-    def _idle(self, deadline: float | None, wake_at: float | None) -> None:
-        """Wait for new input (or ``wake_at``, or the deadline) while nothing can run."""
+    def _idle(self, deadline: float | None, result: StepResult) -> None:
+        """Wait until the step ``result`` asks for, new input, or the deadline."""
         with self._changed:
-            if self._control or self._inbox or self._closed or (self._aborts and not self._paused):
+            if self._control or self._closed or self.core.has_input():
                 return
-            if not self._paused and self.core.has_unfinished() and wake_at is None:
-                return
-            timeouts = [t - time.monotonic() for t in (deadline, wake_at) if t is not None]
-            self._changed.wait(max(0.0, min(timeouts)) if timeouts else None)
+            waits = [result.wait_s(self.core.clock())]
+            if deadline is not None:
+                waits.append(deadline - time.monotonic())
+            timeouts = [max(0.0, w) for w in waits if w is not None]
+            timeout = min(timeouts) if timeouts else None
+            if timeout != 0.0:
+                self._changed.wait(timeout)
 
     def _ensure_loop_thread(self) -> None:
         """The async API's streams need a driver that outlives any one call."""
         with self._changed:
-            if self._loop_thread is not None or self._closed:
+            if self._loop_thread is not None or self._closed or not self._background_loop:
                 return
             self._loop_thread = threading.Thread(
                 target=self._run_loop, name="diffusion-engine-loop", daemon=True
@@ -586,8 +586,6 @@ class DiffusionEngine:
         with self._changed:
             sinks = list({id(s): s for s in self._sinks.values()}.values())
             self._sinks.clear()
-            self._inbox.clear()
-            self._aborts.clear()
             control = list(self._control)
             self._control.clear()
         for call in control:
@@ -621,18 +619,6 @@ def _run_control(call: _ControlCall) -> None:
         call.future.set_result(call.fn())
     except BaseException as exc:
         call.future.set_exception(exc)
-
-
-def _refused(request: _NewRequest, error: Exception) -> RequestOutput:
-    """The final output of a request the core would not admit."""
-    return RequestOutput(
-        request_id=request[0],
-        status=RequestStatus.FINISHED_ERROR,
-        finished=True,
-        image_batch=None,
-        seed=request[3],
-        error=describe_error(error),
-    )
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -11,8 +11,11 @@ import pytest
 from diffusion_runtime import EngineConfig, SamplingParams
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.fsm import DEADLINE_REASON, RequestStatus
+from diffusion_runtime.fsm.events import TraceEvent, WaveEvent
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.testing.virtual_clock import VirtualClock
+
+pytestmark = pytest.mark.usefixtures("monotonic_offset")
 
 TICK = 2.0**-8
 BLOCKER = SamplingParams(num_inference_steps=6)
@@ -54,12 +57,12 @@ def test_a_request_waiting_at_its_deadline_is_dropped_exactly_then_or_runs_late(
 ) -> None:
     core.add_request("blocker", "1", BLOCKER, seed=0)
     core.add_request("due", "2", DUE_IN_4_TICKS, seed=0)
-    assert core.scheduler.requests["due"].deadline == 1.0 + 4 * TICK
     core.step()  # the blocker runs; "due" waits behind it (one request at a time)
+    assert core.scheduler.requests["due"].deadline == 1.0 + 4 * TICK
     clock.advance(4 * TICK - 2.0**-20)
-    assert "due" not in finals(core.step()), "dropped before its deadline"
+    assert "due" not in finals(core.step().outputs), "dropped before its deadline"
     clock.advance(2.0**-20)  # exactly the deadline
-    ended = finals(core.step())
+    ended = finals(core.step().outputs)
     if core.config.deadline_miss == "drop":
         assert ended["due"].status is RequestStatus.FINISHED_ABORTED
         assert ended["due"].error == DEADLINE_REASON
@@ -67,7 +70,7 @@ def test_a_request_waiting_at_its_deadline_is_dropped_exactly_then_or_runs_late(
     else:
         assert "due" not in ended
         while core.has_unfinished():
-            ended.update(finals(core.step()))
+            ended.update(finals(core.step().outputs))
         assert ended["due"].ok and ended["due"].metrics.queue_time_s == 4 * TICK
 
 
@@ -75,9 +78,15 @@ def test_waves_and_request_timings_follow_the_core_clock(
     core: EngineCore, clock: VirtualClock
 ) -> None:
     core.add_request("a", "3", BLOCKER, seed=0)
+
+    def three_ticks_a_wave(event: TraceEvent) -> None:
+        if isinstance(event, WaveEvent):  # published once the wave is chosen, before it runs
+            clock.advance(3 * TICK)
+
+    core.machine.subscribe(three_ticks_a_wave)
     outputs: list[RequestOutput] = []
     while core.has_unfinished():
-        outputs += core.step(late_aborts=lambda: clock.advance(3 * TICK))  # 3 ticks a wave
+        outputs += core.step().outputs
     key = BLOCKER.step_batch_key()
     assert core.scheduler.step_costs.seconds_per_step(key) == 3 * TICK
     metrics = finals(outputs)["a"].metrics

@@ -40,7 +40,7 @@ def test_a_custom_loop_drives_the_core_and_gets_outputs_as_values() -> None:
         core.abort(["r2"], "changed my mind")
         outputs = []
         while core.has_unfinished():
-            outputs += core.step()
+            outputs += core.step().outputs
         by_id = {o.request_id: o for o in outputs}
         assert sorted(by_id) == ["r0", "r1", "r2"] and all(o.finished for o in outputs)
         assert by_id["r2"].status is RequestStatus.FINISHED_ABORTED
@@ -102,11 +102,14 @@ def test_step_mode_releases_a_running_request_aborted_between_steps() -> None:
         core.add_request("long", "a", SamplingParams(num_inference_steps=50, seed=1), seed=1)
         core.step()
         assert core.snapshot().runner_cached_ids == {"long"}
-        core.abort(["long"])
+        core.abort(["long"])  # queued: the next step applies it before it schedules
+        result = core.step()
+        [final] = result.outputs
+        assert final.status is RequestStatus.FINISHED_ABORTED and final.image_batch is None
+        # The release travelled in that step's output: nothing is held once it returns.
+        assert result.executed and result.wake_at is None
         snapshot = core.snapshot()
         assert not snapshot.runner_cached_ids and not snapshot.scheduler_ids
-        [final] = core.step()
-        assert final.status is RequestStatus.FINISHED_ABORTED and final.image_batch is None
     finally:
         core.shutdown()
 
@@ -117,7 +120,7 @@ def test_outputs_are_bit_identical_to_the_pipeline_called_directly() -> None:
         core.add_request("x", "p", FAST, seed=9)
         outputs = []
         while core.has_unfinished():
-            outputs += core.step()
+            outputs += core.step().outputs
         request = PipelineRequest("x", "p", FAST, 9, torch.device("cpu"))
         direct = SeededNoisePipeline("cpu").forward([request])["x"]
         assert outputs[0].image_batch is not None and torch.equal(outputs[0].image_batch, direct)

@@ -24,6 +24,7 @@ from diffusion_runtime.testing.deadline_harness import (
     tick_deadlines,
 )
 from diffusion_runtime.testing.harness import EngineLifecycleMachine, lifecycle_machine
+from diffusion_runtime.testing.lockstep import lockstep_machine
 from diffusion_runtime.testing.mutations import CATALOGUE, Mutation, hunt
 from diffusion_runtime.testing.preemption_harness import PreemptiveCoreLifecycleMachine
 from diffusion_runtime.testing.stage_front import StageFront
@@ -67,6 +68,7 @@ FAST_SUBSET = {
     "deadline-drops-running",
     "preempted-deadline-forgotten",
     "stage-exit-skips-core-shutdown",
+    "inbox-apart-from-pause",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -122,6 +124,15 @@ REQUIRED_REACH = {
     "front": {
         "path: close with blocked readers": 5,
         "path: consumer dropped while its request was active": 5,
+    },
+    "lockstep": {
+        "path: close with blocked readers": 5,
+        "path: consumer dropped while its request was active": 5,
+        "path: raced at admission": 5,
+        "path: raced at wave": 5,
+        "path: raced at end": 5,
+        "path: resumed with requests queued": 5,
+        "path: resumed with aborts queued": 3,
     },
     "stage": {  # 40 examples a mode: far fewer than the others, so counts move more
         "path: consumer dropped while its request was active": 5,
@@ -263,9 +274,21 @@ def stage_config(mode: str) -> EngineConfig:
     )
 
 
+def lockstep_harness(mode: str) -> type[EngineLifecycleMachine]:
+    return lockstep_machine(
+        lambda: front_config(mode),
+        prompts=st.sampled_from(["cat", "dog", 7]),
+        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
+        params=params(mode),
+        read_timeout_s=3.0,  # a hung stream fails the example instead of the suite
+    )
+
+
 def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
     if target == "front":
         return front_harness(mode)
+    if target == "lockstep":
+        return lockstep_harness(mode)
     if target == "stage":
         return stage_harness(mode)
     if target == "preempt":
@@ -287,6 +310,7 @@ def test_catalogue_is_large_and_named_uniquely() -> None:
         "core",
         "mp",
         "front",
+        "lockstep",
         "preempt",
         "deadline-drop",
         "deadline-run_late",
@@ -309,7 +333,7 @@ def passes_and_reaches(
 
 
 @pytest.mark.parametrize("mode", ["request", "step"])
-@pytest.mark.parametrize("target", ["core", "front"])
+@pytest.mark.parametrize("target", ["core", "front", "lockstep"])
 def test_the_real_runtime_passes_and_reaches_every_path(target: str, mode: str) -> None:
     required = dict(REQUIRED_REACH[target])
     if target == "core" and mode == "step":

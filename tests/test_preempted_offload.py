@@ -72,7 +72,7 @@ def open_core(budget: int, device: str = "cpu", **config: Any) -> Iterator[Engin
 def drain(core: EngineCore) -> dict[str, RequestOutput]:
     finals = {}
     while core.has_unfinished():
-        finals.update({o.request_id: o for o in core.step() if o.finished})
+        finals.update({o.request_id: o for o in core.step().outputs if o.finished})
     return finals
 
 

@@ -56,12 +56,12 @@ def open_core(**config: Any) -> Iterator[EngineCore]:
 def drain(core: EngineCore) -> dict[str, RequestOutput]:
     finals = {}
     while core.has_unfinished():
-        finals.update({o.request_id: o for o in core.step() if o.finished})
+        finals.update({o.request_id: o for o in core.step().outputs if o.finished})
     return finals
 
 
 def steps(core: EngineCore, count: int) -> list[RequestOutput]:
-    return [o for _ in range(count) for o in core.step()]
+    return [o for _ in range(count) for o in core.step().outputs]
 
 
 SoloImages = Callable[[str, SamplingParams, int], torch.Tensor]
@@ -114,9 +114,10 @@ def test_a_request_that_ends_while_preempted_leaves_nothing(end: str) -> None:
         preempt_low(core)
         if end == "abort":
             core.abort(["low"])
+            [aborted] = core.step().outputs  # applied, and released, by the next step
             snapshot = core.snapshot()
             assert "low" not in snapshot.runner_cached_ids | snapshot.scheduler_ids
-            finals = drain(core)
+            finals = {aborted.request_id: aborted, **drain(core)}
         else:
             finals = {o.request_id: o for o in core.shutdown()}
     finally:

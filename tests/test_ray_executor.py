@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import hypothesis.strategies as st
 import pytest
 import torch
 from conftest import engine_threads
 from hypothesis import HealthCheck, settings
+from pause_rounds import ROUNDS, run_rounds
 
 from diffusion_runtime import (
     DiffusionEngine,
@@ -204,6 +206,15 @@ def test_workers_on_two_nodes_generate_as_one_process_does(
     assert not snapshot.runner_cached_ids
 
 
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_what_was_queued_while_paused_is_scheduled_together_and_aborts_apply_first(
+    ray_engine: Callable[..., DiffusionEngine], mode: str
+) -> None:
+    """300 rounds of pause, admit three, admit and abort a fourth, resume."""
+    engine = ray_engine(execution_mode=mode, max_num_seqs=4)
+    run_rounds(engine, (FAST,) * 3, ROUNDS)
+
+
 def test_streamed_previews_and_large_images_cross_the_object_store(
     ray_engine: Callable[..., DiffusionEngine],
 ) -> None:
@@ -252,6 +263,38 @@ def test_rpc_replies_by_rank_time_out_and_refuse_bad_input(
     # The timed-out nap ran to its end on the workers; the engine still serves.
     [output] = engine.generate(["after"], FAST)
     assert output.ok
+
+
+# Deeper than pickling can recurse; the input bounds count each link as one item.
+DEEPER_THAN_PICKLE = 100_000
+
+
+@attrs.define
+class Link:
+    inner: Link | None
+
+
+def chain(depth: int) -> Link | None:
+    link = None
+    for _ in range(depth):
+        link = Link(link)
+    return link
+
+
+def test_a_request_that_cannot_reach_the_actors_is_refused_by_its_field(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    engine = ray_engine(num_workers=1)
+    with pytest.raises(InvalidFieldError, match="must be picklable") as unpicklable:
+        engine.generate(["x"], attrs.evolve(FAST, extra_args={"lock": threading.Lock()}))
+    assert (unpicklable.value.owner, unpicklable.value.field) == ("SamplingParams", "extra_args")
+    with pytest.raises(InvalidFieldError, match="nested too deeply") as deep:
+        engine.generate([chain(DEEPER_THAN_PICKLE)], FAST)
+    assert deep.value.field == "prompt"
+    with pytest.raises(InvalidFieldError, match="nested too deeply") as deep_args:
+        engine.generate(["x"], attrs.evolve(FAST, extra_args={"deep": chain(DEEPER_THAN_PICKLE)}))
+    assert deep_args.value.field == "extra_args"
+    assert engine.generate(["fine"], FAST)[0].ok
 
 
 def test_config_fields_are_checked() -> None:

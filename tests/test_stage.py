@@ -27,6 +27,7 @@ import pytest
 import torch
 import zmq
 from conftest import wait_for
+from pause_rounds import ROUNDS, check_round
 
 from diffusion_runtime import (
     DiffusionEngine,
@@ -40,7 +41,8 @@ from diffusion_runtime import (
     RPCError,
     SamplingParams,
 )
-from diffusion_runtime.fsm.events import ADMIT, LifecycleEvent, TraceEvent
+from diffusion_runtime.fsm.events import ADMIT, LifecycleEvent, TraceEvent, WaveEvent
+from diffusion_runtime.fsm.trace import read_trace
 from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
 from diffusion_runtime.stage import StageClient, StageStartError
 from diffusion_runtime.stage.endpoints import bind
@@ -633,6 +635,44 @@ def test_bad_frames_never_kill_the_stage_and_sigterm_exits_143(tmp_path: Path) -
             process.kill()
         process.join()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_what_was_sent_while_paused_is_scheduled_together_and_aborts_apply_first(
+    tmp_path: Path, mode: str
+) -> None:
+    """300 rounds of pause, admit three, admit and abort a fourth, resume; the
+    waves are read from the stage's trace once it has stopped."""
+    trace = tmp_path / "trace.jsonl"
+    config = EngineConfig(
+        pipeline="testing-noise",
+        device="cpu",
+        execution_mode=mode,
+        max_num_seqs=4,
+        warmup=False,
+        trace_path=str(trace),
+    )
+    params = SamplingParams(num_inference_steps=2, seed=3)
+    rounds: list[tuple[list[str], str, dict[str, RequestOutput]]] = []
+
+    async def scenario() -> None:
+        async with StageClient(config) as client:
+            for _ in range(ROUNDS):
+                await client.pause()
+                together = [await client.add_request(str(i), params) for i in range(3)]
+                victim = await client.add_request("9", params)
+                client.abort(victim)
+                await client.resume()
+                finals = {rid: await last_output(client, rid) for rid in [*together, victim]}
+                rounds.append((together, victim, finals))
+
+    asyncio.run(scenario())
+    waves = [event for event in read_trace(trace) if isinstance(event, WaveEvent)]
+    for number, (together, victim, finals) in enumerate(rounds):
+        try:
+            check_round(together, victim, finals, waves)
+        except AssertionError as exc:
+            raise AssertionError(f"round {number} of {ROUNDS}: {exc}") from None
 
 
 # -- failures --------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def held() -> Iterator[tuple[EngineCore, HeldCopies]]:
 def run_to_end(core: EngineCore) -> list[RequestOutput]:
     outputs = []
     while core.has_unfinished():
-        outputs += core.step()
+        outputs += core.step().outputs
     return outputs
 
 
@@ -95,7 +95,8 @@ def test_on_the_cpu_the_phases_collapse() -> None:
     core = EngineCore(step_config(streaming_output=False))
     try:
         core.add_request("a", "cat", PARAMS, seed=3)
-        [output] = core.step() + core.step() + core.step()  # delivered with its own step
+        # delivered with its own step
+        [output] = [o for _ in range(3) for o in core.step().outputs]
         assert output.status is RequestStatus.FINISHED_COMPLETED
     finally:
         core.shutdown()
@@ -110,14 +111,14 @@ def test_the_next_step_is_sent_before_the_last_ones_outputs_are_waited_for(
         lambda e: ended.append(e) if isinstance(e, LifecycleEvent) and e.dest.is_finished else None
     )
     core.add_request("a", "cat", PARAMS, seed=3)
-    assert core.step() == []  # step 1 is enqueued; its output is still being copied
-    assert [(o.step, o.finished) for o in core.step()] == [(1, False)]
+    assert core.step().outputs == []  # step 1 is enqueued; its output is still being copied
+    assert [(o.step, o.finished) for o in core.step().outputs] == [(1, False)]
     assert executor.fences[0].waited_after_waves == 2  # waited for once step 2 was sent
-    assert [(o.step, o.finished) for o in core.step()] == [(2, False)]
+    assert [(o.step, o.finished) for o in core.step().outputs] == [(2, False)]
     # The request completed with step 3, but its images are still on their way.
     assert [(e.request_id, e.dest) for e in ended] == [("a", RequestStatus.FINISHED_COMPLETED)]
     assert core.has_unfinished() and not executor.fences[2].is_ready()
-    [final] = core.step()  # nothing left to run: the core waits for the copy
+    [final] = core.step().outputs  # nothing left to run: the core waits for the copy
     assert final.finished and final.status is RequestStatus.FINISHED_COMPLETED
     reference = EngineCore(step_config())
     try:
@@ -135,7 +136,7 @@ def test_an_abort_between_the_phases_drops_the_outputs_still_in_flight(
     core, _ = held
     core.add_request("a", "cat", PARAMS, seed=3)
     core.add_request("b", "dog", PARAMS, seed=4)
-    assert core.step() == []  # both outputs of step 1 are in flight
+    assert core.step().outputs == []  # both outputs of step 1 are in flight
     core.abort(["a"])  # the consumer went away between the two phases
     outputs = run_to_end(core)
     by_request = {rid: [o for o in outputs if o.request_id == rid] for rid in "ab"}

@@ -95,7 +95,7 @@ def _round(
         if steps == 3:
             for index in range(requests):
                 core.add_request(f"{prefix}high{index}", "9", high, seed=index)
-        for output in core.step():
+        for output in core.step().outputs:
             if output.finished and output.image_batch is not None:
                 images[output.request_id] = output.image_batch
         steps += 1

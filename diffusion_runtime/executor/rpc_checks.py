@@ -17,8 +17,8 @@ def checked_method(method: object) -> str:
     return method
 
 
-def checked_timeout(timeout: object) -> float | None:
-    """Seconds to wait, or None for no limit.
+def checked_timeout(timeout: object, owner: str = _OWNER) -> float | None:
+    """Seconds to wait, or None for no limit (``owner`` names the call in errors).
 
     ``None`` and ``inf`` mean no limit, and so do limits of 10⁹ s (about 31
     years) or more, which a thread wait may refuse. ``nan``, negatives, zero
@@ -27,10 +27,10 @@ def checked_timeout(timeout: object) -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise InvalidFieldError(_OWNER, "timeout", "must be a number of seconds or None", timeout)
+        raise InvalidFieldError(owner, "timeout", "must be a number of seconds or None", timeout)
     if not timeout > 0:  # also refuses nan
         raise InvalidFieldError(
-            _OWNER, "timeout", "must be a positive number of seconds, inf or None", timeout
+            owner, "timeout", "must be a positive number of seconds, inf or None", timeout
         )
     return float(timeout) if timeout < _NO_LIMIT_S else None
 

@@ -13,14 +13,22 @@ from diffusion_runtime.fsm.machine import (
     RequestMachine,
     Trigger,
 )
-from diffusion_runtime.fsm.states import DEADLINE_REASON, TERMINAL_STATES, RequestStatus
+from diffusion_runtime.fsm.states import (
+    DEADLINE_REASON,
+    STARTED_STATES,
+    TERMINAL_STATES,
+    WAITING_STATES,
+    RequestStatus,
+)
 
 __all__ = [
     "ADMIT",
     "DEADLINE_REASON",
     "ENTRY_HOOKS",
+    "STARTED_STATES",
     "TERMINAL_STATES",
     "TRANSITION_TABLE",
+    "WAITING_STATES",
     "Hook",
     "LifecycleEvent",
     "LifecycleViolation",

@@ -18,7 +18,12 @@ from diffusion_runtime.fsm.events import (
     TraceEvent,
     WaveEvent,
 )
-from diffusion_runtime.fsm.states import DEADLINE_REASON, TERMINAL_STATES, RequestStatus
+from diffusion_runtime.fsm.states import (
+    DEADLINE_REASON,
+    TERMINAL_STATES,
+    WAITING_STATES,
+    RequestStatus,
+)
 from diffusion_runtime.fsm.violation import Recent, Violation
 
 
@@ -232,7 +237,7 @@ class DeadlineDropsOnlyWaiting:
             and event.reason == DEADLINE_REASON
             and event.dest is RequestStatus.FINISHED_ABORTED
             and not event.rejected
-            and event.source not in _DROPPABLE
+            and event.source not in WAITING_STATES
         ):
             return []
         return [
@@ -246,9 +251,3 @@ class DeadlineDropsOnlyWaiting:
 
     def finish(self, complete: bool) -> list[Violation]:
         return []
-
-
-#: The states in which a request may be dropped for its deadline: the rule stated
-#: here on its own, not imported from the scheduler, so a scheduler whose table is
-#: wrong cannot make the check agree with it.
-_DROPPABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)

@@ -35,6 +35,16 @@ TERMINAL_STATES: frozenset[RequestStatus] = frozenset(
     }
 )
 
+#: States of a request that waits for a wave: the deadline of one of them may drop it.
+WAITING_STATES: frozenset[RequestStatus] = frozenset(
+    {RequestStatus.WAITING, RequestStatus.PREEMPTED}
+)
+
+#: States of a request that has started: in step mode the workers may hold its runner state.
+STARTED_STATES: frozenset[RequestStatus] = frozenset(
+    {RequestStatus.RUNNING, RequestStatus.PREEMPTED}
+)
+
 #: The reason of a request aborted because its deadline passed while it waited
 #: (``EngineConfig(deadline_miss="drop")``).
 DEADLINE_REASON = "deadline"

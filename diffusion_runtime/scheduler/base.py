@@ -16,6 +16,7 @@ from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerO
 from diffusion_runtime.errors import DuplicateRequestError, QueueFullError
 from diffusion_runtime.fsm import (
     DEADLINE_REASON,
+    WAITING_STATES,
     Hook,
     LifecycleEvent,
     RequestMachine,
@@ -26,9 +27,6 @@ from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.policies import SchedulingPolicy, resolve_policy_class
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.step_cost import IDLE_AFTER_S, StepCostModel
-
-#: The states in which a request whose deadline passes is dropped (``deadline_miss="drop"``).
-_DROPPABLE = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class Ended(NamedTuple):
@@ -176,7 +174,7 @@ class BaseScheduler(abc.ABC):
         while deadlines and deadlines[0][0] <= now:
             request = heapq.heappop(deadlines)[2]
             # A running request leaves the heap; it comes back if it is preempted.
-            if request.state in _DROPPABLE:
+            if request.state in WAITING_STATES:
                 event = self.machine.fire(request, Trigger.ABORT, reason=DEADLINE_REASON)
                 ended.append(Ended(request, event))
         return ended
@@ -221,7 +219,7 @@ class BaseScheduler(abc.ABC):
         which drops it). It sheds the deadlines of requests that ran or ended
         since they were watched (one preempted later is watched again)."""
         deadlines = self._deadlines
-        while deadlines and deadlines[0][2].state not in _DROPPABLE:
+        while deadlines and deadlines[0][2].state not in WAITING_STATES:
             heapq.heappop(deadlines)
         return deadlines[0][0] if deadlines else None
 
@@ -489,7 +487,7 @@ class BaseScheduler(abc.ABC):
         if len(deadlines) > 2 * len(self.waiting) + 64:
             # Entries of requests that ran or ended wait for their deadline to pass:
             # shed them now and then, so the heap stays the size of the queue.
-            deadlines[:] = [entry for entry in deadlines if entry[2].state in _DROPPABLE]
+            deadlines[:] = [entry for entry in deadlines if entry[2].state in WAITING_STATES]
             heapq.heapify(deadlines)
         heapq.heappush(deadlines, (request.deadline, request.order, request))
 

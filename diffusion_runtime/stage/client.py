@@ -52,8 +52,10 @@ from diffusion_runtime.stage.messages import (
     Admitted,
     CollectiveRPC,
     Error,
+    Pause,
     Ready,
     Result,
+    Resume,
     RPCResult,
     StageDead,
     StartFailed,
@@ -128,6 +130,8 @@ class StageClient:
         self._batch_machine.add_hook(Hook.TERMINAL, self._abort_children)
         self._admissions: dict[str, asyncio.Future[None]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
+        #: Aborts on their way to the socket (sent from a task, as abort() is sync).
+        self._aborts_in_flight: set[asyncio.Future[Any]] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -375,6 +379,8 @@ class StageClient:
             return
         sent = asyncio.ensure_future(stage.requests.send(encode(Abort(request_ids, reason))))
         sent.add_done_callback(_log_send_failure)
+        self._aborts_in_flight.add(sent)
+        sent.add_done_callback(self._aborts_in_flight.discard)
 
     # -- control ---------------------------------------------------------------------------
 
@@ -405,6 +411,25 @@ class StageClient:
         if not isinstance(reply, RPCResult):
             raise StageProtocolError(f"the stage answered an RPC with {type(reply).__name__}")
         return reply.value
+
+    async def pause(self) -> None:
+        """Hold the stage's core: once the stage reads this, it starts no wave (or
+        step) until :meth:`resume`; requests and aborts sent meanwhile queue up
+        (admissions are still answered)."""
+        await self._send_in_order(Pause())
+
+    async def resume(self) -> None:
+        """End a pause. The stage's next step takes every request and abort sent
+        before this returned, aborts included: requests admitted meanwhile share
+        its schedule and aborts apply before any wave."""
+        await self._send_in_order(Resume())
+
+    async def _send_in_order(self, message: Pause | Resume) -> None:
+        """Send ``message`` after every abort sent before it."""
+        stage = self._open_stage()
+        if self._aborts_in_flight:
+            await asyncio.gather(*self._aborts_in_flight, return_exceptions=True)
+        await stage.requests.send(encode(message))
 
     async def check_health(self) -> None:
         """Raise :class:`EngineDeadError` if the stage or its executor is dead,

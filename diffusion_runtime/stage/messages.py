@@ -7,7 +7,8 @@ unknown tags and unknown fields. A message is one msgpack frame; a
 tensor's raw bytes, laid out as its :class:`TensorMeta` says.
 
 Client → stage (:data:`ToStage`): :class:`AddRequest`, :class:`AddRequests`,
-:class:`Abort`, :class:`CollectiveRPC`, :class:`StatusQuery`, :class:`Shutdown`.
+:class:`Abort`, :class:`Pause`, :class:`Resume`, :class:`CollectiveRPC`,
+:class:`StatusQuery`, :class:`Shutdown`.
 Stage → client (:data:`FromStage`): :class:`Ready` or :class:`StartFailed` once,
 then :class:`Admitted`, :class:`Result`, :class:`Error`, :class:`RPCResult`,
 :class:`Status`, and :class:`StageDead` last if the core dies.
@@ -107,6 +108,14 @@ class Abort(_Message, frozen=True):
     reason: str
 
 
+class Pause(_Message, frozen=True):
+    """The core starts no wave until :class:`Resume`; what arrives meanwhile queues."""
+
+
+class Resume(_Message, frozen=True):
+    """End a pause: the core's next step takes everything sent before this."""
+
+
 class CollectiveRPC(_Message, frozen=True):
     call_id: int
     method: str
@@ -124,7 +133,7 @@ class Shutdown(_Message, frozen=True):
     pass
 
 
-ToStage = AddRequest | AddRequests | Abort | CollectiveRPC | StatusQuery | Shutdown
+ToStage = AddRequest | AddRequests | Abort | Pause | Resume | CollectiveRPC | StatusQuery | Shutdown
 
 
 # -- stage → client --------------------------------------------------------------------

@@ -23,7 +23,6 @@ import os
 import signal
 import socket
 import sys
-import time
 import traceback
 from types import FrameType
 
@@ -31,7 +30,7 @@ import attrs
 import zmq
 
 from diffusion_runtime.config import EngineConfig
-from diffusion_runtime.core import EngineCore
+from diffusion_runtime.core import EngineCore, StepResult
 from diffusion_runtime.errors import EngineDeadError, InvalidFieldError, RPCError, describe_error
 from diffusion_runtime.executor.rpc_checks import checked_timeout
 from diffusion_runtime.outputs import RequestOutput
@@ -50,7 +49,9 @@ from diffusion_runtime.stage.messages import (
     Admitted,
     CollectiveRPC,
     FromStage,
+    Pause,
     Ready,
+    Resume,
     RPCResult,
     Shutdown,
     StageDead,
@@ -76,7 +77,6 @@ HEALTH_INTERVAL_S = 0.25
 #: How long the last messages (StageDead, StartFailed) may wait for the client.
 FINAL_LINGER_MS = 2_000
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
-WARMUP_REQUEST_ID = "stage-warmup"
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -114,20 +114,6 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(EXIT_SIGNAL_BASE + signum)
 
 
-def warm_up(core: EngineCore) -> None:
-    """Run the pipeline's warm-up request to its end, as ``DiffusionEngine.make_engine`` does."""
-    warmup = core.collective_rpc("warmup_request", unique_reply_rank=0)
-    if warmup is None:
-        return
-    prompt, params = warmup
-    core.validate(prompt, params)
-    core.add_request(WARMUP_REQUEST_ID, prompt, params, params.seed or 0)
-    while core.has_unfinished():
-        for output in core.step():
-            if output.finished and not output.ok:
-                raise RuntimeError(f"the warm-up request failed: {output.error}")
-
-
 class StageProc:
     """Serves one core to one client. Every socket and file it opens is closed
     before :meth:`run` returns. It starts no thread of its own (over TCP, the
@@ -143,9 +129,8 @@ class StageProc:
         self._exit_code: int | None = None
         self._dead_reason: str | None = None
         self._signalled: int | None = None
-        #: A message read during a step that waits for the step to end (and so
-        #: does everything after it, to keep the client's order).
-        self._deferred: ToStage | None = None
+        #: What the last step asked for (None before the first).
+        self._last_step: StepResult | None = None
         self._guard: CurveGuard | None = None
 
     @property
@@ -164,7 +149,7 @@ class StageProc:
             try:
                 self._core = EngineCore(self._spec.config)
                 if self._spec.config.warmup:
-                    warm_up(self._core)
+                    self._core.warm_up()
                 self._allowed = rpc_allow_list(self._spec.config)
                 endpoint = bind(self._requests, self._spec.request_address)
             except Exception as exc:
@@ -225,17 +210,15 @@ class StageProc:
         return self._exit_code
 
     def _wait_ms(self) -> int:
-        """How long the loop may wait for a message: not at all while the core has
-        work, until the scheduler's wake-up while it fills a wave, else a health interval."""
-        core = self.core
-        if self._signalled is not None or self._deferred is not None:
+        """How long the loop may wait for a message: as long as the last step allows
+        (not at all while the core has work), at most a health interval."""
+        if self._signalled is not None:
             return 0
-        if core.has_unfinished():
-            wake_at = core.next_wakeup()
-            if core.last_step_executed or wake_at is None:
-                return 0
-            return int(max(0.0, min(HEALTH_INTERVAL_S, wake_at - time.monotonic())) * 1000)
-        return int(HEALTH_INTERVAL_S * 1000)
+        core = self.core
+        wait = None if self._last_step is None else self._last_step.wait_s(core.clock())
+        if core.has_input():
+            wait = 0.0
+        return int(min(HEALTH_INTERVAL_S, HEALTH_INTERVAL_S if wait is None else wait) * 1000)
 
     def _serve_once(self, idle: bool) -> None:
         if self._signalled is not None:
@@ -247,10 +230,11 @@ class StageProc:
             if self._exit_code is not None:
                 return
             if self.core.has_unfinished():
-                for output in self.core.step(self._take_late_aborts):
+                self._last_step = self.core.step()
+                for output in self._last_step.outputs:
                     self._send_output(output)
             elif idle:  # notice a dead executor while no step runs to report it
-                self.core.executor.check_health()
+                self.core.check_health()
         except EngineDeadError as exc:
             self._fail(str(exc))
         except Exception as exc:
@@ -284,28 +268,12 @@ class StageProc:
     # -- messages from the client ----------------------------------------------------------
 
     def _take_messages(self) -> None:
-        """Apply the message deferred by the last step, then every message that has arrived."""
-        if self._deferred is not None:
-            deferred, self._deferred = self._deferred, None
-            self._apply(deferred)
+        """Apply every message that has arrived, in order."""
         while self._exit_code is None:
             message = self._receive()
             if message is None:
                 return
             self._apply(message)
-
-    def _take_late_aborts(self) -> None:
-        """Inside a step, once its wave ran: aborts that arrived meanwhile apply now
-        and win over the wave's results. The first other message waits for the
-        step to end."""
-        while self._deferred is None:
-            message = self._receive()
-            if message is None:
-                return
-            if isinstance(message, Abort):
-                self.core.abort(message.request_ids, message.reason)
-            else:
-                self._deferred = message
 
     def _receive(self) -> ToStage | None:
         """The next readable message, or None when none has arrived; unreadable ones
@@ -349,6 +317,10 @@ class StageProc:
             self._add_requests(message)
         elif isinstance(message, Abort):
             self.core.abort(message.request_ids, message.reason)
+        elif isinstance(message, Pause):
+            self.core.pause()
+        elif isinstance(message, Resume):
+            self.core.resume()
         elif isinstance(message, CollectiveRPC):
             self._collective_rpc(message)
         elif isinstance(message, StatusQuery):
@@ -440,10 +412,10 @@ class StageProc:
     def _status(self, message: StatusQuery) -> None:
         error = None
         try:
-            self.core.executor.check_health()
+            self.core.check_health()
         except EngineDeadError as exc:
             error = str(exc)
-        self._send(Status(message.call_id, error is None, error, self.core.scheduler.num_waiting))
+        self._send(Status(message.call_id, error is None, error, self.core.queue_length))
         if error is not None:
             self._fail(error)
 

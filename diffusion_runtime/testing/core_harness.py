@@ -37,7 +37,7 @@ from hypothesis.stateful import (
 )
 
 from diffusion_runtime.config import EngineConfig
-from diffusion_runtime.core import EngineCore
+from diffusion_runtime.core import EngineCore, StepResult
 from diffusion_runtime.errors import DuplicateRequestError, EngineDeadError, RPCError
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
@@ -114,8 +114,12 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self.closed = False
         self.dead = False
         self.last_wave_ids: tuple[str, ...] = ()
-        self.last_wave_id: int | None = None
-        self.ended_in_wave: dict[int | None, set[str]] = {}
+        #: Ids queued with the core and not admitted yet (the next step admits them).
+        self.queued: set[str] = set()
+        #: Ids aborted while active: the next step must end them FINISHED_ABORTED.
+        self.abort_due: set[str] = set()
+        #: Runs once when the next wave is scheduled, before the workers run it.
+        self._during_wave: Callable[[], None] | None = None
         self._rpc_calls = 0
         self.seed_checks = 0
         self._next_id = 0
@@ -175,7 +179,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 return
             assert old.final is not None, f"{rid!r} ended, but a step did not deliver its output"
         try:
-            self.core.add_request(rid, old.prompt, old.params, old.seed)
+            self._queue(rid, old.prompt, old.params, old.seed)
         except DuplicateRequestError:
             assert active, f"{rid!r} refused although its request had finished"
             self.reach.note("path: scheduler refused a duplicate id")
@@ -195,13 +199,11 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._alive)
     @rule(rid=requests)
     def abort(self, rid: str) -> None:
+        """Queued; the next step applies it before it schedules (checked there)."""
         state = self.states.get(rid)
-        self.reach.note(f"rule: abort a {state.name if state else 'unknown'} request")
+        name = "queued" if rid in self.queued else state.name if state else "unknown"
+        self.reach.note(f"rule: abort a {name} request")
         self._abort(rid)
-        if state is not None and state not in TERMINAL_STATES:
-            assert self.states[rid] is RequestStatus.FINISHED_ABORTED, (
-                f"{rid!r} was {state} and is {self.states[rid]} after abort() returned"
-            )
 
     @precondition(
         lambda self: self._alive and any(s is RequestStatus.RUNNING for s in self.states.values())
@@ -214,30 +216,15 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._alive)
     @rule(rid=requests)
     def abort_during_a_wave(self, rid: str) -> None:
-        """An abort that arrives while the workers run a wave wins over its results."""
+        """An abort queued while the workers run a wave wins over its results (the
+        step that ran the wave must end the request FINISHED_ABORTED)."""
 
-        active_when_aborted: list[bool] = []
-
-        def late_abort() -> None:
-            committed = self.ended_in_wave.get(self.last_wave_id, set())
-            assert not committed, (
-                f"wave {self.last_wave_id} committed results for {sorted(committed)} "
-                "before its late aborts ran"
-            )
+        def during_the_wave() -> None:
             if self.states.get(rid) is RequestStatus.RUNNING:
                 self.reach.note("path: abort of a running request during its wave")
-            active_when_aborted.append(self._is_active(rid))
             self._abort(rid)
 
-        self._step(late_aborts=late_abort)
-        if self.dead:
-            return
-        if self.core.last_step_executed:
-            assert active_when_aborted, "the core ran a wave without applying late aborts"
-        if any(active_when_aborted):
-            assert self.states[rid] is RequestStatus.FINISHED_ABORTED, (
-                f"{rid!r} was aborted during a wave but ended {self.states[rid]}"
-            )
+        self._step(during_wave=during_the_wave)
 
     @precondition(lambda self: self._alive)
     @rule(data=st.data())
@@ -300,8 +287,10 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         active = {rid for rid in self.records if self._is_active(rid)}
         if active:
             self.reach.note("path: close with active requests")
-        if any(self.states[rid] is RequestStatus.PREEMPTED for rid in active):
+        if any(self.states.get(rid) is RequestStatus.PREEMPTED for rid in active):
             self.reach.note("path: close with a preempted request")
+        if self.queued:
+            self.reach.note("path: close with queued requests")
         self._take(self.core.shutdown())
         self.closed = True
         for rid in active:
@@ -434,30 +423,57 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         rid = f"r{self._next_id}"
         self._next_id += 1
         self.core.validate(prompt, params)
-        self.core.add_request(rid, prompt, params, seed)
+        self._queue(rid, prompt, params, seed)
         self.records[rid] = RequestRecord(prompt, params, seed, failing)
         return rid
+
+    def _queue(self, rid: str, prompt: Any, params: SamplingParams, seed: int) -> None:
+        """Queue a request with the core (it arrives now; the next step admits it)."""
+        self.core.add_request(rid, prompt, params, seed)
+        self.queued.add(rid)
 
     def _abort(self, rid: str) -> None:
         if self._is_active(rid):
             self.records[rid].aborted = True
+            self.abort_due.add(rid)
         if self.states.get(rid) is RequestStatus.PREEMPTED:
             self.reach.note("path: abort of a preempted request")
         self.core.abort([rid])
 
-    def _step(self, late_aborts: Callable[[], None] | None = None) -> None:
+    def _step(self, during_wave: Callable[[], None] | None = None) -> StepResult | None:
+        """One core step (``during_wave`` runs once its wave is scheduled); None if it died."""
         active_before = sum(1 for rid in self.records if self._is_active(rid))
         preempted_before = any(s is RequestStatus.PREEMPTED for s in self.states.values())
+        self._during_wave = during_wave
         try:
-            self._take(self.core.step(late_aborts))
-            assert not (self.core.last_step_executed and self._fatal_wave()), (
-                "a device fault did not kill the executor (it must mark itself failed)"
-            )
+            result = self.core.step()
         except EngineDeadError:
             self.dead = True
+            # A dead core drops its inbox: queued requests never had a lifecycle, and
+            # a front fails their callers with the error.
+            self.queued.clear()
             self._check_death(active_before, preempted_before)
             if not (self._fatal_wave() or self.worker_killer):
                 raise
+            return None
+        finally:
+            self._during_wave = None
+        self._take(result.outputs)
+        assert not (result.executed and self._fatal_wave()), (
+            "a device fault did not kill the executor (it must mark itself failed)"
+        )
+        self._check_aborts_applied()
+        return result
+
+    def _check_aborts_applied(self) -> None:
+        """Aborts queued before a step, or during its wave, ended their requests in it."""
+        due, self.abort_due = self.abort_due, set()
+        for rid in sorted(due):
+            assert rid not in self.queued, f"{rid!r} is still queued after a step"
+            assert self.states.get(rid) is RequestStatus.FINISHED_ABORTED, (
+                f"{rid!r} was aborted while active, but after the next step it is "
+                f"{self.states.get(rid)}"
+            )
 
     def _run_until_idle(self, check: bool = True) -> None:
         """Step until nothing is left; with ``check``, check after each step what the
@@ -498,15 +514,15 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             self.states[rid] = event.dest
             self._note_preemption(event)
             if event.source is None:
+                self.queued.discard(rid)
                 self.admissions[rid] = self.admissions.get(rid, 0) + 1
             elif event.dest in TERMINAL_STATES:
                 self.terminals[rid] = self.terminals.get(rid, 0) + 1
-                if event.wave_id is not None:
-                    self.ended_in_wave.setdefault(event.wave_id, set()).add(rid)
         elif isinstance(event, WaveEvent):
-            self.last_wave_id = event.wave_id
+            during_wave, self._during_wave = self._during_wave, None
+            if during_wave is not None:
+                during_wave()
             self.last_wave_ids = event.scheduled_ids
-            self.ended_in_wave.pop(event.wave_id - 1, None)
             for rid in event.scheduled_ids:
                 record = self.records.get(rid)
                 if record is not None:
@@ -536,7 +552,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
 
     def _is_active(self, rid: str) -> bool:
         state = self.states.get(rid)
-        return state is not None and state not in TERMINAL_STATES
+        return rid in self.queued or (state is not None and state not in TERMINAL_STATES)
 
     def _waves_with_failing_prompts(self) -> set[int]:
         return {wave for record in self._all_records() if record.failing for wave in record.waves}

@@ -39,13 +39,22 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import attrs
 import hypothesis.strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from diffusion_runtime.fsm import DEADLINE_REASON, TERMINAL_STATES, LifecycleEvent, RequestStatus
+from diffusion_runtime.core import StepResult
+from diffusion_runtime.fsm import (
+    DEADLINE_REASON,
+    TERMINAL_STATES,
+    WAITING_STATES,
+    LifecycleEvent,
+    RequestStatus,
+)
 from diffusion_runtime.fsm.events import TraceEvent, WaveEvent
+from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.policies import EarliestDeadlinePolicy, SloAwarePolicy
 from diffusion_runtime.scheduler.step_cost import DEFAULT_STEP_S
 from diffusion_runtime.testing.preemption_harness import PreemptiveCoreLifecycleMachine
@@ -53,9 +62,6 @@ from diffusion_runtime.testing.virtual_clock import VirtualClock
 
 #: The harness's unit of virtual time: a binary fraction, so sums of ticks are exact.
 TICK_S = 2.0**-8
-#: The states a request waits in; only these may be dropped for a deadline (stated
-#: here, independently of the scheduler and the auditor it checks).
-_WAITS = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class PatientEarliestDeadline(EarliestDeadlinePolicy):
@@ -173,10 +179,20 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
 
     # -- stepping on the virtual clock -------------------------------------------------
 
-    def _step(self, late_aborts: Callable[[], None] | None = None) -> None:
+    def _queue(self, rid: str, prompt: Any, params: SamplingParams, seed: int) -> None:
+        """A request arrives when it is queued (the core's arrival time), not when
+        the next step admits it: its deadline counts from now."""
+        super()._queue(rid, prompt, params, seed)
+        now = self.clock.now
+        self.arrivals[rid] = now
+        self.deadlines[rid] = None if params.deadline_s is None else now + params.deadline_s
+
+    def _step(self, during_wave: Callable[[], None] | None = None) -> StepResult | None:
         self.step_now = now = self.clock.now
         due = sorted(
-            rid for rid, state in self.states.items() if state in _WAITS and self._passed(rid, now)
+            rid
+            for rid in {*self.states, *self.queued}
+            if self._waits(rid) and self._passed(rid, now)
         )
         if any(self.deadlines[rid] == now for rid in due):
             self.reach.note("path: a deadline fell exactly on a step")
@@ -184,16 +200,17 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         def during_the_wave() -> None:
             self.clock.advance(self.wave_s)
             self.longest_wave_s = max(self.longest_wave_s, self.wave_s)
-            if late_aborts is not None:
-                late_aborts()
+            if during_wave is not None:
+                during_wave()
 
-        super()._step(during_the_wave)
+        result = super()._step(during_the_wave)
         if self.config.deadline_miss == "drop" and not self.dead:
             survivors = [rid for rid in due if self.states[rid] not in TERMINAL_STATES]
             assert not survivors, (
                 f"{survivors} waited past their deadlines at {now}, and are "
                 f"{[self.states[rid].name for rid in survivors]} after the step"
             )
+        return result
 
     def _record(self, event: TraceEvent) -> None:
         super()._record(event)
@@ -207,14 +224,10 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
     def _follow(self, event: LifecycleEvent) -> None:
         rid = event.request_id
         if event.source is None:
-            deadline_s = self.core.scheduler.requests[rid].params.deadline_s
-            now = self.clock.now
-            self.arrivals[rid] = now
-            self.deadlines[rid] = None if deadline_s is None else now + deadline_s
             self.admission_order[rid] = next(self._admissions)
         elif event.dest is RequestStatus.PREEMPTED:
             self.preempted_since_wave.append(rid)
-        elif event.dest is RequestStatus.RUNNING and event.source in _WAITS:
+        elif event.dest is RequestStatus.RUNNING and event.source in WAITING_STATES:
             self.joined_since_wave.add(rid)
         elif event.dest is RequestStatus.FINISHED_ABORTED and event.reason == DEADLINE_REASON:
             self._check_drop(event)
@@ -225,7 +238,7 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         rid, source, deadline = event.request_id, event.source, self.deadlines[event.request_id]
         if self.config.deadline_miss != "drop":
             self.deadline_problems.append(f"{rid!r} dropped for its deadline under run_late")
-        elif source not in _WAITS:
+        elif source not in WAITING_STATES:
             self.deadline_problems.append(f"{rid!r} dropped for its deadline while {source}")
         elif deadline is None or deadline > self.step_now:
             self.deadline_problems.append(
@@ -241,7 +254,7 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         now, order = self.step_now, self.admission_order
         active = self.core.scheduler.requests
         scheduled = [rid for rid in event.scheduled_ids if rid in active]
-        left_out = [rid for rid, s in self.states.items() if s in _WAITS and rid in active]
+        left_out = [rid for rid, s in self.states.items() if s in WAITING_STATES and rid in active]
         joined = [rid for rid in scheduled if rid in self.joined_since_wave]
         continued = [rid for rid in scheduled if rid not in self.joined_since_wave]
         # A policy that does not preempt chose only who joined a wave that continues
@@ -370,8 +383,12 @@ class DeadlineCoreLifecycleMachine(PreemptiveCoreLifecycleMachine):
         return sorted(
             deadline
             for rid, deadline in self.deadlines.items()
-            if deadline is not None and deadline > now and self.states[rid] in _WAITS
+            if deadline is not None and deadline > now and self._waits(rid)
         )
+
+    def _waits(self, rid: str) -> bool:
+        """Queued (the next step admits it), waiting or preempted."""
+        return rid in self.queued or self.states.get(rid) in WAITING_STATES
 
     def _next_aging(self) -> float | None:
         now, aging_s = self.clock.now, self.config.scheduling_aging_s

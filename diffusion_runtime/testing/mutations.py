@@ -19,11 +19,10 @@ from hypothesis import settings as Settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
-from diffusion_runtime.core import EngineCore
+from diffusion_runtime.core import EngineCore, StepResult
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.executor.uni import UniProcExecutor
 from diffusion_runtime.fsm import LifecycleEvent, RequestStatus, Trigger
-from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.pipelines.protocols import PipelineRequest
 from diffusion_runtime.runner.model_runner import ModelRunner
 from diffusion_runtime.scheduler.base import BaseScheduler, Ended
@@ -50,7 +49,8 @@ class Mutation:
     #: EngineCore on a virtual clock under the ``slo`` policy with that
     #: ``deadline_miss``), ``"deadline-patient"`` (the same under
     #: ``PatientEarliestDeadline``, which does not preempt), ``"front"`` (a
-    #: DiffusionEngine) or ``"stage"`` (a StageClient and its stage process).
+    #: DiffusionEngine), ``"lockstep"`` (a DiffusionEngine the harness drives
+    #: itself, racing its loop) or ``"stage"`` (a StageClient and its stage process).
     target: str = "core"
 
 
@@ -232,10 +232,11 @@ def aborted_waiting_request_stays_queued() -> contextlib.AbstractContextManager[
 
 def error_output_never_delivered() -> contextlib.AbstractContextManager[None]:
     def make(original: Any) -> Any:
-        def step(self: EngineCore, late_aborts: Any) -> list[RequestOutput]:
-            outputs: list[RequestOutput] = original(self, late_aborts)
+        def step(self: EngineCore) -> StepResult:
+            result: StepResult = original(self)
             # "errors are logged, not returned"
-            return [o for o in outputs if o.status is not RequestStatus.FINISHED_ERROR]
+            kept = [o for o in result.outputs if o.status is not RequestStatus.FINISHED_ERROR]
+            return attrs.evolve(result, outputs=kept)
 
         return step
 

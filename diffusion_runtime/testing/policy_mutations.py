@@ -7,18 +7,19 @@ mirror image of a check; ``docs/auditing.md`` says which check catches it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import attrs
 
 from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
-from diffusion_runtime.core import EngineCore
+from diffusion_runtime.core import EngineCore, StepResult
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.executor.mp.calls import CallTable, RpcCall
 from diffusion_runtime.executor.mp.executor import MultiprocExecutor
 from diffusion_runtime.executor.mp.messages import Reply
 from diffusion_runtime.fsm import Trigger
+from diffusion_runtime.inbox import QueuedAbort
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.pipelines.protocols import PipelineRequest, StepPipeline
 from diffusion_runtime.runner.model_runner import ModelRunner
@@ -197,10 +198,10 @@ def preview_marked_final() -> Patch:
 
 def waiting_abort_output_lost() -> Patch:
     def make(original: Any) -> Any:
-        def abort(self: EngineCore, request_ids: Any, reason: str) -> None:
-            waiting = [rid for rid in request_ids if rid in self.scheduler.waiting]
+        def abort(self: EngineCore, queued: QueuedAbort) -> None:
+            waiting = [rid for rid in queued.request_ids if rid in self.scheduler.waiting]
             before = len(self._pending)
-            original(self, request_ids, reason)
+            original(self, queued)
             # "a request that never ran has nothing to report"
             self._pending[before:] = [
                 item for item in self._pending[before:] if item[1].request_id not in waiting
@@ -208,27 +209,52 @@ def waiting_abort_output_lost() -> Patch:
 
         return abort
 
-    return _replace(EngineCore, "_abort", make)
+    return _replace(EngineCore, "_apply_abort", make)
 
 
 def late_aborts_never_applied() -> Patch:
     def make(original: Any) -> Any:
-        def step(self: EngineCore, late_aborts: Any) -> list[RequestOutput]:
-            outputs: list[RequestOutput] = original(self, None)  # "aborts wait for the next tick"
-            return outputs
+        def take_wave_inbox(self: EngineCore) -> list[RequestOutput]:
+            return []  # "what came during the wave waits for the next step"
 
-        return step
+        return take_wave_inbox
 
-    return _replace(EngineCore, "_step", make)
+    return _replace(EngineCore, "_take_wave_inbox", make)
 
 
-def late_aborts_after_results() -> Patch:
+@contextlib.contextmanager
+def late_aborts_after_results() -> Iterator[None]:
+    taken_late: list[Callable[[EngineCore], list[RequestOutput]]] = []
+
+    def make_take(original: Any) -> Any:
+        taken_late.append(original)
+
+        def take_wave_inbox(self: EngineCore) -> list[RequestOutput]:
+            return []
+
+        return take_wave_inbox
+
+    def make_commit(original: Any) -> Any:
+        def commit(self: EngineCore, output: SchedulerOutput, result: RunnerOutput) -> None:
+            original(self, output, result)
+            self._refused += taken_late[0](self)  # "once the wave is committed"
+
+        return commit
+
+    with (
+        _replace(EngineCore, "_take_wave_inbox", make_take),
+        _replace(EngineCore, "_commit", make_commit),
+    ):
+        yield
+
+
+def inbox_taken_apart_from_the_pause() -> Patch:
     def make(original: Any) -> Any:
-        def step(self: EngineCore, late_aborts: Any) -> list[RequestOutput]:
-            outputs: list[RequestOutput] = original(self, None)
-            if late_aborts is not None:  # "apply them once the wave is committed"
-                late_aborts()
-            return outputs
+        def step(self: EngineCore) -> StepResult:
+            if self.is_paused:  # "admit what came in now; a pause only holds back waves"
+                self._take_inbox(self._inbox.take_all())
+            result: StepResult = original(self)  # reads the pause again, to schedule or not
+            return result
 
         return step
 
@@ -350,6 +376,8 @@ POLICY_MUTATIONS: tuple[MutationSpec, ...] = (
      late_aborts_never_applied),
     ("late-aborts-after-results", "aborts during a wave lose to its results", "request",
      "core", late_aborts_after_results),
+    ("inbox-apart-from-pause", "a paused step admits what is queued, then reads the pause "
+     "to decide whether to schedule", "request", "lockstep", inbox_taken_apart_from_the_pause),
     ("close-skips-waiting", "close leaves waiting requests open", "request", "core",
      close_skips_waiting_requests),
     ("death-spares-waiting", "death leaves waiting requests open", "request", "core",
