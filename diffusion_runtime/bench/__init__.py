@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
-import time
 from typing import TYPE_CHECKING, Any
+
+from diffusion_runtime.bench.stats import interleaved_seconds
 
 if TYPE_CHECKING:
     from diffusion_runtime.engine import DiffusionEngine
-
-
-def summary_us(samples_s: list[float]) -> dict[str, float]:
-    """Median and 90th percentile of samples in seconds, in microseconds."""
-    ordered = sorted(samples_s)
-    return {
-        "median_us": round(statistics.median(ordered) * 1e6, 1),
-        "p90_us": round(ordered[int(0.9 * (len(ordered) - 1))] * 1e6, 1),
-    }
 
 
 def interleaved_generate_rates(
@@ -24,11 +17,17 @@ def interleaved_generate_rates(
 ) -> dict[str, float]:
     """Median requests/s of one ``generate(prompts, params)`` call per engine, timed in
     interleaved rounds (so machine load hits every engine alike); every output must be ok."""
-    rates: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(repeats):
-        for name, engine in engines.items():
-            start = time.perf_counter()
-            outputs = engine.generate(prompts, params)
-            rates[name].append(len(prompts) / (time.perf_counter() - start))
-            assert all(o.ok for o in outputs)
-    return {name: statistics.median(r) for name, r in rates.items()}
+    ways = {
+        name: functools.partial(_generate_ok, engine, prompts, params)
+        for name, engine in engines.items()
+    }
+    seconds = interleaved_seconds(ways, repeats)
+    return {
+        name: statistics.median(len(prompts) / s for s in samples)
+        for name, samples in seconds.items()
+    }
+
+
+def _generate_ok(engine: DiffusionEngine, prompts: list[Any], params: Any) -> None:
+    outputs = engine.generate(prompts, params)
+    assert all(o.ok for o in outputs)

@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 
+from diffusion_runtime.bench.stats import Stopwatch
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.fsm.audit import Auditor
@@ -91,10 +92,10 @@ def _best_rounds(
     wall = dict.fromkeys(engines, float("inf"))
     for _ in range(repeats):
         for name, engine in engines.items():
-            start_cpu, start_wall = time.thread_time(), time.perf_counter()
+            cpu_watch, wall_watch = Stopwatch(time.thread_time), Stopwatch()
             engine.generate(prompts, params)
-            cpu[name] = min(cpu[name], time.thread_time() - start_cpu)
-            wall[name] = min(wall[name], time.perf_counter() - start_wall)
+            cpu[name] = min(cpu[name], cpu_watch.seconds())
+            wall[name] = min(wall[name], wall_watch.seconds())
     return cpu, wall
 
 
@@ -113,8 +114,8 @@ def _checkers_seconds(events: list[TraceEvent], repeats: int = 20) -> float:
     for _ in range(repeats):
         auditor = Auditor()
         auditor.feed(EngineEvent("started", 0.0))
-        start = time.perf_counter()
+        watch = Stopwatch()
         for event in events:
             auditor.feed(event)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, watch.seconds())
     return best

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from diffusion_runtime.bench.stats import Stopwatch
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.pipelines.protocols import PipelineRequest
@@ -34,9 +34,9 @@ def engine_cost_per_request_us(
     samples: list[float] = []
     done = 0
     while done < min_requests or len(samples) < 3:
-        start = time.perf_counter()
+        watch = Stopwatch()
         outputs = engine.generate(prompts, params)
-        samples.append((time.perf_counter() - start) / depth * 1e6)
+        samples.append(watch.seconds() / depth * 1e6)
         assert all(o.ok for o in outputs)
         done += depth
     return samples
@@ -47,7 +47,7 @@ def direct_cost_per_request_us(
 ) -> float:
     """Per-request cost (µs) of calling the pipeline directly in fused batches."""
     device = torch.device("cpu")
-    start = time.perf_counter()
+    watch = Stopwatch()
     with torch.inference_mode():
         for first in range(0, count, batch_size):
             batch = [
@@ -55,7 +55,7 @@ def direct_cost_per_request_us(
                 for i in range(first, min(first + batch_size, count))
             ]
             pipeline.forward(batch)
-    return (time.perf_counter() - start) / count * 1e6
+    return watch.seconds() / count * 1e6
 
 
 def tracing_cost(max_num_seqs: int, pipeline: str, params: SamplingParams) -> dict[str, Any]:

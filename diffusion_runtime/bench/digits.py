@@ -24,23 +24,17 @@ import asyncio
 import concurrent.futures
 import functools
 import multiprocessing
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from diffusion_runtime.bench.stats import call_seconds, interleaved_seconds
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.pipelines.digits import DigitsPipeline
 from diffusion_runtime.pipelines.protocols import PipelineRequest
 from diffusion_runtime.sampling_params import SamplingParams
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def read_all_async(engine: DiffusionEngine, prompts: list[str], params: SamplingParams) -> None:
@@ -62,12 +56,9 @@ def best_alone(api: str, size: int, steps: int, repeats: int) -> float:
     with DiffusionEngine.make_engine(config) as engine:
         if api == "async":
             return min(
-                timed(functools.partial(read_all_async, engine, prompts, params))
-                for _ in range(repeats)
+                call_seconds(functools.partial(read_all_async, engine, prompts, params), repeats)
             )
-        return min(
-            timed(functools.partial(engine.generate, prompts, params)) for _ in range(repeats)
-        )
+        return min(call_seconds(functools.partial(engine.generate, prompts, params), repeats))
 
 
 def async_over_generate_alone(size: int, steps: int, repeats: int, rounds: int = 2) -> float:
@@ -117,10 +108,8 @@ def run(
                 "generate_mp": functools.partial(mp.generate, batch, params),
                 "async_uni": functools.partial(read_all_async, uni_async, batch, params),
             }
-            best = dict.fromkeys(variants, float("inf"))
-            for _ in range(repeats):
-                for name, fn in variants.items():
-                    best[name] = min(best[name], timed(fn))
+            timings = interleaved_seconds(variants, repeats)
+        best = {name: min(samples) for name, samples in timings.items()}
         per_s = {name: round(size / seconds, 1) for name, seconds in best.items()}
         results["batches"][str(size)] = {
             "images_per_s": per_s,

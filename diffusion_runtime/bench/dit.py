@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import importlib
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from diffusion_runtime.bench.stats import interleaved_seconds
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.pipelines.diffusers import DiffusersPipeline
@@ -102,7 +102,6 @@ def compare(
         )
         return DiffusionEngine.make_engine(config)
 
-    times: dict[str, list[float]] = {"diffusers": [], "engine": [], "engine_fixed_rows": []}
     with engine(None) as plain, engine(rows_per_call) as fixed:
         ways: dict[str, Callable[[], torch.Tensor]] = {
             "diffusers": lambda: diffusers_sequential(pipe, labels, steps, guidance),
@@ -110,11 +109,7 @@ def compare(
             "engine_fixed_rows": lambda: engine_batched(fixed, labels, steps, guidance),
         }
         images = {name: way() for name, way in ways.items()}
-        for _ in range(repeats):
-            for name, way in ways.items():
-                start = time.perf_counter()
-                way()
-                times[name].append(time.perf_counter() - start)
+        times = interleaved_seconds(ways, repeats)
     rate = {name: batch / statistics.median(samples) for name, samples in times.items()}
     expected = images["diffusers"]
     return {

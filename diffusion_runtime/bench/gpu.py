@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import time
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
+from diffusion_runtime.bench.stats import interleaved_seconds
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.pipelines.diffusers import DiffusersPipeline
@@ -130,15 +130,8 @@ def _synchronized(device: torch.device, fn: Callable[[], Any]) -> Callable[[], A
 
 def _best_of(ways: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
     """Each way once untimed, then ``repeats`` interleaved timed rounds; best seconds each."""
-    for way in ways.values():
-        way()
-    best = dict.fromkeys(ways, float("inf"))
-    for _ in range(repeats):
-        for name, way in ways.items():
-            start = time.perf_counter()
-            way()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+    seconds = interleaved_seconds(ways, repeats, warmup_rounds=1)
+    return {name: min(samples) for name, samples in seconds.items()}
 
 
 def digits(sizes: GpuBenchSizes, device: torch.device) -> dict[str, Any]:

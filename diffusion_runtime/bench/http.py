@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import attrs
 import msgspec
 
 from diffusion_runtime.bench.lean_http import LeanConnection
+from diffusion_runtime.bench.stats import Stopwatch, percentile
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.sampling_params import SamplingParams
@@ -105,13 +105,13 @@ async def _closed_loop(
 
     async def client(index: int) -> None:
         for i in range(requests_per_client):
-            start = time.perf_counter()
+            watch = Stopwatch()
             await call(index, index * requests_per_client + i)
-            latencies.append(time.perf_counter() - start)
+            latencies.append(watch.seconds())
 
-    start = time.perf_counter()
+    wall = Stopwatch()
     await asyncio.gather(*(client(c) for c in range(clients)))
-    return time.perf_counter() - start, latencies
+    return wall.seconds(), latencies
 
 
 def _in_process(
@@ -153,10 +153,6 @@ def _over_http(url: str, steps: int, clients: int, per_client: int) -> tuple[flo
     return asyncio.run(load())
 
 
-def _percentile(ordered: list[float], fraction: float) -> float:
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 @attrs.define
 class _Side:
     """What one side (in process or HTTP) measured over its rounds."""
@@ -169,11 +165,10 @@ class _Side:
         self.latencies.extend(measured[1])
 
     def summary(self) -> dict[str, float]:
-        ordered = sorted(self.latencies)
         return {
-            "requests_per_s": round(len(ordered) / sum(self.walls), 1),
-            "p50_ms": round(statistics.median(ordered) * 1000, 2),
-            "p99_ms": round(_percentile(ordered, 0.99) * 1000, 2),
+            "requests_per_s": round(len(self.latencies) / sum(self.walls), 1),
+            "p50_ms": round(percentile(self.latencies, 50) * 1000, 2),
+            "p99_ms": round(percentile(self.latencies, 99) * 1000, 2),
         }
 
 
@@ -252,10 +247,10 @@ def _one_setting(
             for _ in range(rounds):
                 with DiffusionEngine.make_engine(config) as engine:
                     in_process.add(_in_process(engine, params, concurrency, per_client))
-                cpu_start, client_start = _cpu_seconds(server.pid), time.process_time()
+                cpu_start, client_watch = _cpu_seconds(server.pid), Stopwatch(time.process_time)
                 http.add(_over_http(server.url, steps, concurrency, per_client))
                 server_cpu += _cpu_seconds(server.pid) - cpu_start
-                client_cpu += time.process_time() - client_start
+                client_cpu += client_watch.seconds()
             after = _server_view(server.url)
             delta = {name: after[name] - before[name] for name in after}
             served = len(http.latencies)

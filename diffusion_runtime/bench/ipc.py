@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from diffusion_runtime.bench import interleaved_generate_rates, summary_us
+from diffusion_runtime.bench import interleaved_generate_rates
+from diffusion_runtime.bench.stats import Stopwatch, call_seconds, summary_us
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
 from diffusion_runtime.engine import DiffusionEngine
@@ -53,24 +54,15 @@ from diffusion_runtime.sampling_params import SamplingParams
 IMAGE_SHAPE = (1, 3, 512, 512)
 
 
-def _timed(fn: Callable[[], object], count: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(count):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return samples
-
-
 # -- control messages ------------------------------------------------------------------
 
 
 def control_round_trip(executor: MultiprocExecutor, count: int) -> dict[str, Any]:
     params = SamplingParams(num_inference_steps=1)
-    rpc = _timed(lambda: executor.collective_rpc("check_health", unique_reply_rank=0), count, 50)
-    validate = _timed(lambda: executor.validate_request("a prompt", params), count, 50)
+    rpc = call_seconds(
+        lambda: executor.collective_rpc("check_health", unique_reply_rank=0), count, 50
+    )
+    validate = call_seconds(lambda: executor.validate_request("a prompt", params), count, 50)
     return {"rpc": summary_us(rpc), "validate_request": summary_us(validate), "samples": count}
 
 
@@ -131,8 +123,8 @@ def image_round_trip(count: int) -> dict[str, Any]:
         assert image.shape == IMAGE_SHAPE
 
     try:
-        shm = _timed(through_shared_memory, count, 20)
-        pickled = _timed(through_queue, count, 20)
+        shm = call_seconds(through_shared_memory, count, 20)
+        pickled = call_seconds(through_queue, count, 20)
     finally:
         to_child.send_bytes(dumps(None))
         requests.put(None)
@@ -171,7 +163,7 @@ def wave_overhead(count: int) -> dict[str, Any]:
         executor = cls(EngineConfig(pipeline="testing-null", device="cpu"))
         try:
             results[backend] = summary_us(
-                _timed(functools.partial(_execute_next, executor, next_wave), count, 50)
+                call_seconds(functools.partial(_execute_next, executor, next_wave), count, 50)
             )
         finally:
             executor.shutdown()
@@ -217,11 +209,12 @@ def engine_throughput(
 
 def death_detection(executor: MultiprocExecutor) -> dict[str, Any]:
     """Kill the worker under a blocked ``execute``; time what the engine would see."""
+    clock = Stopwatch()
     failed = threading.Event()
     failed_at: list[float] = []
 
     def on_failure(reason: str) -> None:
-        failed_at.append(time.perf_counter())
+        failed_at.append(clock.seconds())
         failed.set()
 
     executor.add_failure_callback(on_failure)
@@ -235,13 +228,13 @@ def death_detection(executor: MultiprocExecutor) -> dict[str, Any]:
         try:
             executor.execute(gated)
         except EngineDeadError:
-            raised_at.append(time.perf_counter())
+            raised_at.append(clock.seconds())
 
     caller = threading.Thread(target=blocked_caller)
     caller.start()
     dispatched.wait()
     time.sleep(0.2)  # let the wave reach the worker's gate
-    killed_at = time.perf_counter()
+    killed_at = clock.seconds()
     os.kill(executor.worker_pids[0], signal.SIGKILL)
     caller.join(10)
     failed.wait(10)
@@ -264,25 +257,26 @@ def hang_detection(liveness_s: float = 1.0) -> dict[str, Any]:
     pid = executor.worker_pids[0]
     params = SamplingParams(num_inference_steps=1, seed=0)
     gated = SchedulerOutput(1, (NewRequestData("g", "gate", params, 0),), (), (), 1, 0)
+    clock = Stopwatch()
     raised_at: list[float] = []
 
     def blocked_caller() -> None:
         try:
             executor.execute(gated)
         except EngineDeadError:
-            raised_at.append(time.perf_counter())
+            raised_at.append(clock.seconds())
 
     caller = threading.Thread(target=blocked_caller)
     try:
         caller.start()
         time.sleep(0.2)  # let the wave reach the worker's gate
-        stopped_at = time.perf_counter()
+        stopped_at = clock.seconds()
         os.kill(pid, signal.SIGSTOP)
         caller.join(liveness_s + 10)
     finally:
-        shutdown_start = time.perf_counter()
+        shutdown = Stopwatch()
         executor.shutdown()
-        shutdown_s = time.perf_counter() - shutdown_start
+        shutdown_s = shutdown.seconds()
     return {
         "liveness_timeout_s": liveness_s,
         "to_blocked_caller_s": round(raised_at[0] - stopped_at, 3),

@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import torch
 
+from diffusion_runtime.bench.stats import Stopwatch
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.sampling_params import SamplingParams
@@ -89,7 +90,7 @@ def _round(
     for index, request_id in enumerate(low_ids):
         core.add_request(request_id, str(index % 10), low, seed=index)
     steps, images = 0, {}
-    start = time.thread_time()
+    cpu = Stopwatch(time.thread_time)
     held = 0
     while core.has_unfinished():
         if steps == 3:
@@ -101,5 +102,5 @@ def _round(
         steps += 1
         if steps == 4:
             held = len(core.snapshot().runner_offloaded_ids)
-    seconds = (time.thread_time() - start) / steps
+    seconds = cpu.seconds() / steps
     return seconds, [images[request_id] for request_id in low_ids], held

@@ -28,13 +28,19 @@ import itertools
 import os
 import random
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import ray
 
-from diffusion_runtime.bench import interleaved_generate_rates, summary_us
+from diffusion_runtime.bench import interleaved_generate_rates
+from diffusion_runtime.bench.stats import (
+    Stopwatch,
+    call_seconds,
+    interleaved_seconds,
+    percentile,
+    summary_us,
+)
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import NewRequestData, SchedulerOutput
 from diffusion_runtime.engine import DiffusionEngine
@@ -77,7 +83,7 @@ def wave_overhead(count: int) -> dict[str, Any]:
         executor = cls(config)
         try:
             results[name] = summary_us(
-                _timed(functools.partial(_execute_next, executor, next_wave), count)
+                call_seconds(functools.partial(_execute_next, executor, next_wave), count, 20)
             )
         finally:
             executor.shutdown()
@@ -97,7 +103,7 @@ def admission_check(count: int) -> dict[str, Any]:
         executor = cls(EngineConfig(pipeline="testing-noise", device="cpu"))
         try:
             check = functools.partial(executor.validate_request, "p", params)
-            results[name] = summary_us(_timed(check, count))
+            results[name] = summary_us(call_seconds(check, count, 20))
         finally:
             executor.shutdown()
     return results
@@ -118,36 +124,28 @@ def digits_waves(workers: int, waves: int, steps: int) -> dict[str, Any]:
         "mp": MultiprocExecutor(config),
         "ray": RayExecutor(config),
     }
-    samples: dict[str, list[float]] = {name: [] for name in executors}
     numbers = itertools.count()
+
+    def next_wave() -> SchedulerOutput:
+        i = next(numbers)
+        new = tuple(NewRequestData(f"{i}-{k}", k % 10, params, k) for k in range(8))
+        return SchedulerOutput(i, new, (), (), 8, 0)
+
+    ways = {
+        name: functools.partial(_execute_next, executor, next_wave)
+        for name, executor in executors.items()
+    }
     try:
-        for _ in range(waves):
-            for name, executor in executors.items():
-                i = next(numbers)
-                new = tuple(NewRequestData(f"{i}-{k}", k % 10, params, k) for k in range(8))
-                start = time.perf_counter()
-                executor.execute(SchedulerOutput(i, new, (), (), 8, 0))
-                samples[name].append(time.perf_counter() - start)
+        samples = interleaved_seconds(ways, waves - 2, warmup_rounds=2)
     finally:
         for executor in executors.values():
             executor.shutdown()
-    mp, ray_ms = (statistics.median(samples[name][2:]) * 1e3 for name in ("mp", "ray"))
+    mp, ray_ms = (statistics.median(samples[name]) * 1e3 for name in ("mp", "ray"))
     return {"mp_ms": round(mp, 1), "ray_ms": round(ray_ms, 1), "ray_over_mp": round(mp / ray_ms, 3)}
 
 
 def _execute_next(executor: DiffusionExecutor, next_wave: Callable[[], SchedulerOutput]) -> None:
     executor.execute(next_wave())
-
-
-def _timed(fn: Callable[[], object], count: int, warmup: int = 20) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(count):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return samples
 
 
 # -- digits throughput by executor -----------------------------------------------------
@@ -210,28 +208,28 @@ async def _poisson_run(
     latencies: list[float] = []
 
     async def one(prompt: int) -> None:
-        sent = time.perf_counter()
+        sent = Stopwatch()
         rid = await replicas.add_request(prompt, params)
         async for output in replicas.stream(rid):
             if output.finished:
                 assert output.ok, output.error
-        latencies.append(time.perf_counter() - sent)
+        latencies.append(sent.seconds())
 
-    start = time.perf_counter()
+    makespan = Stopwatch()
     tasks = []
     for i in range(num_requests):
         tasks.append(asyncio.create_task(one(i % 10)))
         await asyncio.sleep(arrivals.expovariate(rate))
     await asyncio.gather(*tasks)
-    return time.perf_counter() - start, latencies
+    return makespan.seconds(), latencies
 
 
 def replica_capacity(replicas: ReplicaSet, params: SamplingParams, count: int) -> float:
     """Requests per second of a closed burst (the queue never runs dry)."""
-    start = time.perf_counter()
+    watch = Stopwatch()
     outputs = replicas.generate([i % 10 for i in range(count)], params)
     assert all(o.ok for o in outputs)
-    return count / (time.perf_counter() - start)
+    return count / watch.seconds()
 
 
 def replica_scaling(
@@ -263,9 +261,7 @@ def replica_scaling(
                 makespan, latencies = asyncio.run(
                     _poisson_run(replicas, rate, num_requests, params, seed=repeat)
                 )
-                ordered = sorted(latencies)
-                p99 = ordered[int(0.99 * (len(ordered) - 1))]
-                runs[count].append((num_requests / makespan, p99))
+                runs[count].append((num_requests / makespan, percentile(latencies, 99)))
     finally:
         for replicas in sets.values():
             replicas.close()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
-import time
 from typing import Any
 
 import attrs
@@ -40,9 +39,9 @@ from diffusion_runtime.bench.slo_trace import (
     RequestClass,
     bursts,
     bursty_trace,
-    percentile,
     poisson_trace,
 )
+from diffusion_runtime.bench.stats import Stopwatch, percentile
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 
@@ -75,10 +74,10 @@ async def replay(
 ) -> tuple[list[Outcome], float]:
     """Serve ``trace`` in real time; outcomes and the wall time it took."""
     outcomes: list[Outcome] = []
-    start = time.perf_counter()
+    clock = Stopwatch()
 
     async def one(arrival: Arrival) -> None:
-        await asyncio.sleep(max(0.0, start + arrival.offset_s - time.perf_counter()))
+        await asyncio.sleep(max(0.0, arrival.offset_s - clock.seconds()))
         params = arrival.kind.params(arrival.seed, deadlines[arrival.kind.name])
         rid = await engine.add_request(str(arrival.seed % 10), params)
         async for out in engine.stream(rid):
@@ -87,7 +86,7 @@ async def replay(
                 outcomes.append(Outcome(arrival.kind, out.metrics.total_time_s, out.ok))
 
     await asyncio.gather(*(one(arrival) for arrival in trace))
-    return outcomes, time.perf_counter() - start
+    return outcomes, clock.seconds()
 
 
 def met(outcomes: list[Outcome], solo: dict[str, float], scale: float) -> int:

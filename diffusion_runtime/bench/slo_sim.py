@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from diffusion_runtime.bench.slo_trace import Arrival, percentile
+from diffusion_runtime.bench.slo_trace import Arrival
+from diffusion_runtime.bench.stats import percentile
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.fsm import RequestMachine, RequestStatus

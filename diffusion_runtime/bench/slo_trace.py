@@ -78,8 +78,3 @@ def bursty_trace(count: int, burst_size: int, mean_gap_s: float, seed: int) -> l
 def bursts(trace: list[Arrival]) -> list[list[Arrival]]:
     """``trace`` split into its bursts, in order."""
     return [list(burst) for _, burst in itertools.groupby(trace, key=lambda a: a.burst)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import statistics
 import tempfile
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,7 +34,7 @@ import msgspec
 import torch
 import zmq
 
-from diffusion_runtime.bench import summary_us
+from diffusion_runtime.bench.stats import Stopwatch, call_seconds, summary_us
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.fsm import RequestStatus
@@ -81,12 +80,12 @@ async def _side_by_side(
     stage_s: list[float] = []
     local_s: list[float] = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        watch = Stopwatch()
         await through_stage(client, prompts, params)
-        stage_s.append((time.perf_counter() - start) / len(prompts))
-        start = time.perf_counter()
+        stage_s.append(watch.seconds() / len(prompts))
+        watch = Stopwatch()
         await _through_engine(engine, prompts, params)
-        local_s.append((time.perf_counter() - start) / len(prompts))
+        local_s.append(watch.seconds() / len(prompts))
     stage, local = summary_us(stage_s), summary_us(local_s)
     return {
         "prompts_per_call": len(prompts),
@@ -135,13 +134,13 @@ async def throughput(
                 stage_rates: list[float] = []
                 local_rates: list[float] = []
                 for _ in range(repeats):
-                    start = time.perf_counter()
+                    watch = Stopwatch()
                     outputs = await client.generate(prompts, params)
-                    stage_rates.append(size / (time.perf_counter() - start))
+                    stage_rates.append(size / watch.seconds())
                     assert all(o.ok for o in outputs)
-                    start = time.perf_counter()
+                    watch = Stopwatch()
                     outputs = engine.generate(prompts, params)
-                    local_rates.append(size / (time.perf_counter() - start))
+                    local_rates.append(size / watch.seconds())
                     assert all(o.ok for o in outputs)
                 stage, local = statistics.median(stage_rates), statistics.median(local_rates)
                 rows.append(
@@ -175,19 +174,9 @@ def _image_output() -> RequestOutput:
     )
 
 
-def _timed(fn: Callable[[], object], count: int) -> list[float]:
-    for _ in range(max(3, count // 10)):
-        fn()
-    samples = []
-    for _ in range(count):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return samples
-
-
 def image_costs(count: int) -> dict[str, Any]:
     output = _image_output()
+    warmup = max(3, count // 10)
     bytes_decoder = msgspec.msgpack.Decoder(_ResultWithBytes)
 
     def two_frames_encode() -> list[Any]:
@@ -218,12 +207,12 @@ def image_costs(count: int) -> dict[str, Any]:
 
     codec = {
         "two_frames": {
-            "encode": summary_us(_timed(two_frames_encode, count)),
-            "decode": summary_us(_timed(two_frames_decode, count)),
+            "encode": summary_us(call_seconds(two_frames_encode, count, warmup)),
+            "decode": summary_us(call_seconds(two_frames_decode, count, warmup)),
         },
         "bytes_in_struct": {
-            "encode": summary_us(_timed(bytes_encode, count)),
-            "decode": summary_us(_timed(lambda: bytes_decode(encoded), count)),
+            "encode": summary_us(call_seconds(bytes_encode, count, warmup)),
+            "decode": summary_us(call_seconds(lambda: bytes_decode(encoded), count, warmup)),
         },
     }
     assert torch.equal(two_frames_decode(), bytes_decode(encoded))
@@ -249,8 +238,8 @@ def image_costs(count: int) -> dict[str, Any]:
                 return bytes_decode(receiver.recv(copy=False).bytes)
 
             socket = {
-                "two_frames": summary_us(_timed(two_frames_trip, count)),
-                "bytes_in_struct": summary_us(_timed(bytes_trip, count)),
+                "two_frames": summary_us(call_seconds(two_frames_trip, count, warmup)),
+                "bytes_in_struct": summary_us(call_seconds(bytes_trip, count, warmup)),
             }
         finally:
             ctx.destroy(linger=0)

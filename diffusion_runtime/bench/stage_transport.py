@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import zmq
 
-from diffusion_runtime.bench import summary_us
+from diffusion_runtime.bench.stats import Stopwatch, interleaved_seconds, summary_us
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.outputs import RequestOutput
@@ -42,11 +41,11 @@ async def round_trip(steps: int, repeats: int) -> dict[str, Any]:
         samples: dict[str, list[float]] = {"ipc": [], "tcp_curve": []}
         for index in range(repeats + 3):
             for name, client in (("ipc", ipc), ("tcp_curve", tcp)):
-                start = time.perf_counter()
+                watch = Stopwatch()
                 [output] = await client.generate(["7"], params)
                 assert output.ok
                 if index >= 3:  # the first calls warm both paths up
-                    samples[name].append(time.perf_counter() - start)
+                    samples[name].append(watch.seconds())
     ipc_us, tcp_us = summary_us(samples["ipc"]), summary_us(samples["tcp_curve"])
     return {
         "pipeline": "digits",
@@ -84,7 +83,6 @@ def image_trips(count: int) -> dict[str, Any]:
     assert payload is not None
     frames: list[Any] = [encode(result), payload]
     kinds = ("ipc", "tcp", "tcp_curve")
-    samples: dict[str, list[float]] = {kind: [] for kind in kinds}
     # Each side has a context of its own, as the client and the stage do.
     receiving: zmq.Context[Any] = zmq.Context()
     sending: zmq.Context[Any] = zmq.Context()
@@ -103,12 +101,8 @@ def image_trips(count: int) -> dict[str, Any]:
                 "tcp_curve": LOOPBACK_TCP,
             }
             trips = {kind: _trips(*sockets[kind], addresses[kind], frames) for kind in kinds}
-            for index in range(count + 3):
-                for kind, trip in trips.items():
-                    start = time.perf_counter()
-                    trip()
-                    if index >= 3:  # the first trips warm each pair up
-                        samples[kind].append(time.perf_counter() - start)
+            # The first rounds warm each pair up.
+            samples = interleaved_seconds(trips, count, warmup_rounds=3)
     finally:
         if guard is not None:
             guard.close()

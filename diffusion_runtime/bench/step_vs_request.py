@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
-import time
 from typing import Any
 
+from diffusion_runtime.bench.stats import Stopwatch, percentile
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.sampling_params import SamplingParams
@@ -40,27 +40,22 @@ def make_trace(
     return trace
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 async def replay(engine: DiffusionEngine, trace: list[tuple[float, int]]) -> dict[str, Any]:
     latencies: list[tuple[int, float]] = []
-    start = time.perf_counter()
+    clock = Stopwatch()
 
     async def one(index: int, offset: float, steps: int) -> None:
-        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-        arrived = time.perf_counter()
+        await asyncio.sleep(max(0.0, offset - clock.seconds()))
+        arrived = Stopwatch()
         params = SamplingParams(num_inference_steps=steps, seed=index)
         rid = await engine.add_request(str(index % 10), params)
         async for out in engine.stream(rid):
             if out.finished:
                 assert out.ok, out.error
-        latencies.append((steps, time.perf_counter() - arrived))
+        latencies.append((steps, arrived.seconds()))
 
     await asyncio.gather(*(one(i, offset, steps) for i, (offset, steps) in enumerate(trace)))
-    wall = time.perf_counter() - start
+    wall = clock.seconds()
     short = min(steps for _, steps in trace)
     short_lat = [lat for steps, lat in latencies if steps == short]
     all_lat = [lat for _, lat in latencies]
