@@ -95,7 +95,6 @@ class EngineSnapshot:
     running_ids: frozenset[str]
     waiting: int
     runner_cached_ids: frozenset[str]
-    executor_held_ids: frozenset[str]
     unclaimed_stream_ids: frozenset[str]
     runner_offloaded_ids: frozenset[str] = frozenset()
 
@@ -179,7 +178,6 @@ class EngineCore:
                 )
             self.scheduler = scheduler_cls(self.machine, config)
             self.scheduler.clock = clock
-            self.machine.add_hook(Hook.TERMINAL, self._release_executor_bookkeeping)
             self.machine.add_hook(Hook.TERMINAL, self._drop_intermediate_outputs)
         except BaseException:
             self.executor.shutdown()
@@ -246,6 +244,12 @@ class EngineCore:
         this returned: requests admitted meanwhile share its schedule, and aborts
         queued meanwhile apply before any wave. Any thread may call this."""
         self._inbox.resume()
+
+    @property
+    def validates_in_process(self) -> bool:
+        """Whether :meth:`validate` runs without waiting on a worker (an async front
+        may then call it on its event loop)."""
+        return self.executor.validates_in_process
 
     @property
     def is_paused(self) -> bool:
@@ -364,6 +368,8 @@ class EngineCore:
         # request's outputs are out before its terminal transition can come.
         outputs += self._delivered(wait=True)
         outputs += self._take_wave_inbox()
+        # Measured here, not by each scheduler: one that forgot would learn no costs.
+        self.scheduler.cost_meter.wave_ran(output, self.clock())
         self._commit(output, result)
         if self._release_due:
             self._send_release()
@@ -515,7 +521,7 @@ class EngineCore:
         return self.executor.collective_rpc(method, args, kwargs or {}, timeout, unique_reply_rank)
 
     def snapshot(self) -> EngineSnapshot:
-        """Per-request state held by the scheduler, the runner and the executor."""
+        """Per-request state held by the scheduler and the runner (an executor holds none)."""
         alive = self._dead is None and not self._shut_down
         cached = self.collective_rpc("cached_request_ids", unique_reply_rank=0) if alive else []
         offloaded = (
@@ -528,7 +534,6 @@ class EngineCore:
             running_ids=frozenset(self.scheduler.running),
             waiting=self.scheduler.num_waiting,
             runner_cached_ids=frozenset(cached),
-            executor_held_ids=self.executor.held_request_ids(),
             unclaimed_stream_ids=frozenset(),
             runner_offloaded_ids=frozenset(offloaded),
         )
@@ -601,9 +606,6 @@ class EngineCore:
         release = self._trace_wave(self.scheduler.schedule_release())
         if release is not None:
             self._trace_runner(self._execute(release))
-
-    def _release_executor_bookkeeping(self, request: Request, event: LifecycleEvent) -> None:
-        self.executor.release_request(request.request_id)
 
     # -- tracing -------------------------------------------------------------------------
 

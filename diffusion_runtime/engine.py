@@ -38,7 +38,6 @@ from diffusion_runtime.admission import RequestMinter
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.core import EngineCore, EngineSnapshot, StepResult
 from diffusion_runtime.errors import (
-    DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
     QueueFullError,
@@ -51,6 +50,7 @@ from diffusion_runtime.executor.rpc_checks import checked_timeout
 from diffusion_runtime.fsm import RequestMachine
 from diffusion_runtime.fsm.audit import Auditor
 from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.routes import OutputRoutes
 from diffusion_runtime.runner.worker import Worker
 from diffusion_runtime.sampling_params import SamplingParams, checked_params, prompts_and_params
 from diffusion_runtime.scheduler.base import BaseScheduler
@@ -59,7 +59,6 @@ from diffusion_runtime.streams import (
     AsyncStream,
     GenerateWaiter,
     OutputSink,
-    claim_stream,
     read_stream,
     wake_streams,
 )
@@ -107,10 +106,7 @@ class DiffusionEngine:
         # after every step, and when the driver leaves.
         self._changed = threading.Condition()
         self._control: deque[_ControlCall] = deque()
-        #: The sink of every admitted request whose final output is not delivered yet.
-        self._sinks: dict[str, OutputSink] = {}
-        #: Streams of ``add_request`` calls that :meth:`stream` has not claimed yet.
-        self._unclaimed: dict[str, AsyncStream] = {}
+        self._routes = OutputRoutes()
         self._pending_wakes: dict[asyncio.AbstractEventLoop, list[AsyncStream]] = {}
         self._driver = threading.Lock()
         self._driver_thread: int | None = None
@@ -229,7 +225,7 @@ class DiffusionEngine:
         worker process runs off the event loop.
         """
         loop = asyncio.get_running_loop()
-        if self.core.executor.validates_in_process:
+        if self.core.validates_in_process:
             request = self._new_request(prompt, params, request_id)
         else:
             request = await loop.run_in_executor(
@@ -251,7 +247,7 @@ class DiffusionEngine:
         its result.
         """
         with self._changed:
-            stream = claim_stream(self._unclaimed, request_id)
+            stream = self._routes.claim(request_id)
         return read_stream(
             stream, lambda: self._abort_for([request_id], stream, "the consumer stopped reading")
         )
@@ -269,7 +265,7 @@ class DiffusionEngine:
         # The core applies aborts in order with admissions, so an abort queued now
         # never reaches a later request that reuses the id.
         with self._changed:
-            targets = [rid for rid in ids if rid in self._sinks]
+            targets = [rid for rid in ids if self._routes.sink_of(rid) is not None]
             if targets:
                 self.core.abort(targets, reason)
                 self._changed.notify_all()
@@ -277,7 +273,7 @@ class DiffusionEngine:
     def _abort_for(self, request_ids: Iterable[str], sink: OutputSink, reason: str) -> None:
         """Abort those of ``request_ids`` whose outputs still go to ``sink``."""
         with self._changed:
-            targets = [rid for rid in request_ids if self._sinks.get(rid) is sink]
+            targets = [rid for rid in request_ids if self._routes.sink_of(rid) is sink]
             if targets and self._fatal is None and not self._closed:
                 self.core.abort(targets, reason)
                 self._changed.notify_all()
@@ -342,7 +338,7 @@ class DiffusionEngine:
         def take() -> EngineSnapshot:
             snapshot = self.core.snapshot()
             with self._changed:
-                unclaimed = frozenset(self._unclaimed)
+                unclaimed = frozenset(self._routes.unclaimed)
             return attrs.evolve(snapshot, unclaimed_stream_ids=unclaimed)
 
         self._refuse_reentry("snapshot()")
@@ -391,20 +387,12 @@ class DiffusionEngine:
         limit = self.config.max_waiting_requests
         with self._changed:
             self._check_open()
-            for request_id, *_ in requests:
-                if request_id in self._sinks or request_id in self._unclaimed:
-                    raise DuplicateRequestError(
-                        f"request id {request_id!r} is taken: its request is active "
-                        "or its output has not been read yet"
-                    )
+            self._routes.check_free(request[0] for request in requests)
             if limit is not None and self.queue_length + len(requests) > limit:
                 raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
             for request in requests:
                 self.core.add_request(*request)
-                self._sinks[request[0]] = sink
-            if stream is not None:
-                # Outputs that come before a reader wait in the stream object.
-                self._unclaimed[requests[0][0]] = stream
+            self._routes.open({request[0]: sink for request in requests}, stream)
             self._changed.notify_all()
 
     def run_once(self) -> bool:
@@ -524,17 +512,8 @@ class DiffusionEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
             return
-        sinks = self._sinks
         with self._changed:  # a final output frees its id
-            targets = [
-                (
-                    output,
-                    sinks.pop(output.request_id, None)
-                    if output.finished
-                    else sinks.get(output.request_id),
-                )
-                for output in outputs
-            ]
+            targets = [(output, self._routes.route(output)) for output in outputs]
         for output, sink in targets:
             if sink is not None:
                 sink.push(output)
@@ -584,8 +563,7 @@ class DiffusionEngine:
     def _end_callers(self, error: EngineClosedError | EngineDeadError) -> None:
         """Fail every admitted request's sink and every pending control call."""
         with self._changed:
-            sinks = list({id(s): s for s in self._sinks.values()}.values())
-            self._sinks.clear()
+            sinks = self._routes.close_all()
             control = list(self._control)
             self._control.clear()
         for call in control:

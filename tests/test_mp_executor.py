@@ -18,7 +18,6 @@ import threading
 import time
 import unittest
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -395,36 +394,52 @@ def test_compute_done_and_output_ready_are_handled_in_either_order(engines: Buil
     }
 
 
-def test_a_request_released_while_its_output_materialises_is_never_copied() -> None:
-    executor = HeldOutput(mp_config())
+def test_waves_whose_requests_end_while_their_output_materialises_return_their_segments(
+    engines: Build,
+) -> None:
+    """Request mode on the mp executor: while a wave's OutputReady is held back (after
+    ComputeDone), requests of that wave are aborted. The executor sees only scheduler
+    outputs, so it copies the wave's images like any other's; the core, where the
+    aborts win, reads none of the aborted ones. In the first wave one of two requests
+    is aborted and its batch mate completes with the bits a uni engine gives; the next
+    five waves are aborted whole. If a lease leaked, each wave would need a new
+    segment. A segment travels back to rank 0 asynchronously, so a wave may still find
+    the pool empty and make a second one, never more."""
+    settings = {"audit": "raise", "max_num_seqs": 2, "warmup": False}
+    engine = engines(mp_config(executor_backend=HeldOutput, **settings))
+    executor = engine.core.executor
+    assert isinstance(executor, HeldOutput)
 
-    def run_and_release(batch: SchedulerOutput, released: str) -> Any:
+    async def run_wave(prompts: list[str], aborted: set[str]) -> list[RequestOutput]:
         executor.output_arrived.clear()
         executor.let_through.clear()
-        result = run_in_thread(partial(executor.execute, batch))
-        assert executor.output_arrived.wait(10)  # rank 0 has packed; the executor has not read
-        assert executor.held_request_ids() == set(batch.scheduled_ids)
-        executor.release_request(released)  # what the engine's terminal hook does on abort
+        engine.pause()  # all are admitted before the next step, so they share a wave
+        ids = [
+            await engine.add_request(p, attrs.evolve(LARGE, seed=n)) for n, p in enumerate(prompts)
+        ]
+        engine.resume()
+        assert await asyncio.to_thread(executor.output_arrived.wait, 30)
+        engine.abort([rid for rid, prompt in zip(ids, prompts, strict=True) if prompt in aborted])
         executor.let_through.set()
-        return result.result(10)
+        finals = []
+        for rid in ids:
+            finals.append([o async for o in engine.stream(rid)][-1])
+        return finals
 
     try:
-        result = run_and_release(wave(1, {"a": "kept", "b": "aborted"}, LARGE), "b")
-        assert set(result.images) == {"a"} and result.images["a"].shape == (1, 3, 160, 160)
-        assert executor.held_request_ids() == frozenset()
-        # A wave whose every request was released is handed back without a copy;
-        # if a lease leaked, each of the five waves would need a new segment. A
-        # segment travels back to rank 0 asynchronously, so a wave may still
-        # find the pool empty and make a second one, never more.
-        for wave_id in range(2, 7):
-            batch = wave(wave_id, {f"r{wave_id}": "x"}, LARGE)
-            assert run_and_release(batch, f"r{wave_id}").images == {}
-        assert executor.held_request_ids() == frozenset()
-        assert len(segment_names(executor.segment_prefix)) <= 2
+        kept, aborted = asyncio.run(run_wave(["kept", "aborted"], {"aborted"}))
+        for n in range(2, 7):
+            [whole] = asyncio.run(run_wave([f"r{n}"], {f"r{n}"}))
+            assert whole.status == RequestStatus.FINISHED_ABORTED and whole.image_batch is None
     finally:
         executor.let_through.set()
-        executor.shutdown()
-    assert segment_names(executor.segment_prefix) == []
+    uni = engines(mp_config(executor_backend="uni", **settings))
+    same_results(uni.generate(["kept"], attrs.evolve(LARGE, seed=0)), [kept])
+    assert aborted.status == RequestStatus.FINISHED_ABORTED and aborted.image_batch is None
+    snapshot = engine.snapshot()
+    assert not (snapshot.scheduler_ids or snapshot.runner_cached_ids)
+    assert len(segment_names(executor.segment_prefix)) <= 2  # the pool, no lease
+    assert engine.auditor is not None and not engine.auditor.violations
 
 
 def test_an_abort_between_compute_done_and_output_ready_releases_everything(
@@ -433,7 +448,7 @@ def test_an_abort_between_compute_done_and_output_ready_releases_everything(
     """A step-mode engine on the mp executor: while the last step's OutputReady is held
     back (after ComputeDone), one of its two requests is aborted. The abort wins, its
     batch mate completes with the bits a uni engine gives, and nothing is left for
-    either: no runner state, no executor entry, no segment lease, no audit finding."""
+    either: no runner state, no segment lease, no audit finding."""
     settings = {"execution_mode": "step", "audit": "raise", "max_num_seqs": 2, "warmup": False}
     engine = engines(mp_config("testing-noise", executor_backend=HeldOutput, **settings))
     executor = engine.core.executor
@@ -447,7 +462,7 @@ def test_an_abort_between_compute_done_and_output_ready_releases_everything(
         ]
         engine.resume()
         held = await asyncio.to_thread(executor.output_arrived.wait, 30)
-        assert held and executor.held_request_ids() == set(ids)  # between the two phases
+        assert held  # between the two phases
         engine.abort(ids[1])
         executor.let_through.set()
         finals = []
@@ -464,7 +479,6 @@ def test_an_abort_between_compute_done_and_output_ready_releases_everything(
     assert aborted.status == RequestStatus.FINISHED_ABORTED and aborted.image_batch is None
     snapshot = engine.snapshot()
     assert not (snapshot.scheduler_ids or snapshot.runner_cached_ids)
-    assert not snapshot.executor_held_ids
     assert len(segment_names(executor.segment_prefix)) <= 2  # the pool, no lease
     assert engine.auditor is not None and not engine.auditor.violations
 

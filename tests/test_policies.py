@@ -64,7 +64,9 @@ def add(scheduler: BaseScheduler, rid: str, arrival: float = 0.0, **params: Any)
 
 def run_wave(scheduler: BaseScheduler, out: SchedulerOutput) -> None:
     """Apply a wave as a runner would: one step per scheduled request (step mode), or
-    every request done (request mode)."""
+    every request done (request mode). Its time goes to the cost meter first, as the
+    engine core reports it."""
+    scheduler.cost_meter.wave_ran(out, scheduler.clock())
     progress, images = {}, {}
     for rid in out.scheduled_ids:
         request = scheduler.requests[rid]

@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 import unittest
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,9 @@ from diffusion_runtime import (
     RPCError,
     SamplingParams,
 )
-from diffusion_runtime.pipelines.protocols import StepRequestState
+from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
 from diffusion_runtime.testing.harness import lifecycle_test_case
-from diffusion_runtime.testing.pipelines import SeededNoisePipeline
+from diffusion_runtime.testing.pipelines import FaultInjectingPipeline, SeededNoisePipeline
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -64,6 +64,19 @@ class Probe:
     def nap(self, seconds: float) -> str:
         time.sleep(seconds)
         return "awake"
+
+
+class GatedPipeline(FaultInjectingPipeline):
+    """Leaves a file in ``flag_dir`` when a "gate" forward starts (the gate is per actor)."""
+
+    def __init__(self, device: Any = "cpu", flag_dir: str = "") -> None:
+        super().__init__(device)
+        self.flag_dir = flag_dir
+
+    def forward(self, batch: Sequence[PipelineRequest]) -> Any:
+        if any("gate" in str(request.prompt) for request in batch):
+            Path(self.flag_dir, f"entered-{os.getpid()}").touch()
+        return super().forward(batch)
 
 
 class PreviewingNoise(SeededNoisePipeline):
@@ -202,8 +215,7 @@ def test_workers_on_two_nodes_generate_as_one_process_does(
         assert got.image_batch is not None and want.image_batch is not None
         assert got.image_batch.equal(want.image_batch)
     snapshot = engine.snapshot()
-    assert not snapshot.scheduler_ids and not snapshot.executor_held_ids
-    assert not snapshot.runner_cached_ids
+    assert not snapshot.scheduler_ids and not snapshot.runner_cached_ids
 
 
 @pytest.mark.parametrize("mode", ["request", "step"])
@@ -325,8 +337,13 @@ def placement_group_table_states() -> list[str]:
 # -- losing a worker mid-wave ------------------------------------------------------------
 
 
-def callers_during_a_held_wave(engine: DiffusionEngine) -> list[CallerOutcome]:
-    """Start a blocked wave and callers of every kind; return their outcome holders."""
+def gated_engine(ray_engine: Callable[..., DiffusionEngine], flag_dir: Path) -> DiffusionEngine:
+    return ray_engine(pipeline=GatedPipeline, pipeline_kwargs={"flag_dir": str(flag_dir)})
+
+
+def callers_during_a_held_wave(engine: DiffusionEngine, flag_dir: Path) -> list[CallerOutcome]:
+    """Start a blocked wave (a :class:`GatedPipeline` engine's) and callers of every
+    kind; return their outcome holders."""
     holders = [CallerOutcome() for _ in range(3)]
 
     def run_generate(prompt: str, holder: CallerOutcome) -> None:
@@ -348,7 +365,7 @@ def callers_during_a_held_wave(engine: DiffusionEngine) -> list[CallerOutcome]:
             holder.finish(None)
 
     threading.Thread(target=run_generate, args=("gate", holders[0]), daemon=True).start()
-    wait_until(lambda: bool(executor_of(engine).held_request_ids()), "the gated wave")
+    wait_until(lambda: any(flag_dir.glob("entered-*")), "the gated wave")
     threading.Thread(target=run_generate, args=("waiting", holders[1]), daemon=True).start()
     threading.Thread(target=lambda: asyncio.run(add_and_stream(holders[2])), daemon=True).start()
     wait_until(lambda: engine.queue_length >= 2, "the queued callers")
@@ -376,10 +393,10 @@ def assert_every_caller_failed_fast(holders: list[CallerOutcome], since: float) 
 
 
 def test_a_killed_actor_fails_every_caller_and_the_engine(
-    ray_engine: Callable[..., DiffusionEngine],
+    ray_engine: Callable[..., DiffusionEngine], tmp_path: Path
 ) -> None:
-    engine = ray_engine()
-    holders = callers_during_a_held_wave(engine)
+    engine = gated_engine(ray_engine, tmp_path)
+    holders = callers_during_a_held_wave(engine, tmp_path)
     pid = executor_of(engine).worker_pids[1]
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -389,10 +406,10 @@ def test_a_killed_actor_fails_every_caller_and_the_engine(
 
 
 def test_a_removed_node_fails_every_caller_and_the_engine(
-    ray_engine: Callable[..., DiffusionEngine], two_nodes: Cluster
+    ray_engine: Callable[..., DiffusionEngine], two_nodes: Cluster, tmp_path: Path
 ) -> None:
-    engine = ray_engine()
-    holders = callers_during_a_held_wave(engine)
+    engine = gated_engine(ray_engine, tmp_path)
+    holders = callers_during_a_held_wave(engine, tmp_path)
     head_id = two_nodes.head_node.node_id
     [doomed] = [
         node

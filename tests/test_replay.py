@@ -115,6 +115,50 @@ def test_a_failing_test_case_replays_until_its_bug_is_fixed(
     assert "did not reproduce: " in out and "first reported: AssertionError: INV-007" in out
 
 
+FLAKY = """
+import itertools
+
+from hypothesis import settings
+from hypothesis.stateful import rule
+
+from diffusion_runtime import EngineConfig
+from diffusion_runtime.testing import lifecycle_test_case
+from diffusion_runtime.testing.core_harness import CoreLifecycleMachine
+
+calls = itertools.count()
+
+
+class FailsOnce(CoreLifecycleMachine):
+    @rule()
+    def fails_on_the_fourth_call_only(self):
+        assert next(calls) != 3, "the fourth call"
+
+
+def config():
+    return EngineConfig(pipeline="testing-noise", device="cpu", warmup=False)
+
+
+TestFlaky = lifecycle_test_case(
+    config,
+    base=FailsOnce,
+    settings=settings(max_examples=5, stateful_step_count=5, deadline=None, database=None),
+)
+"""
+
+
+def test_a_flaky_verdict_fails_the_test_and_says_why_it_has_no_replay_file(
+    tmp_path: Path,
+) -> None:
+    """A failure hypothesis cannot reproduce is reported, never retried away. For
+    this verdict hypothesis gives no reproduction blob, and the report says so."""
+    module = tmp_path / "test_flaky_harness.py"
+    module.write_text(FLAKY)
+    run = run_pytest(tmp_path, module.name)
+    output = run.stdout + run.stderr
+    assert "1 failed" in output and "Inconsistent results" in output, output
+    assert "No replay file: hypothesis gave no reproduction blob" in output, output
+
+
 class Overfull(RequestScheduler):
     """A bug: waves ignore ``max_num_seqs``."""
 

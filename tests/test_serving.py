@@ -112,10 +112,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
 def held_nothing(engine: DiffusionEngine) -> bool:
     snapshot = engine.snapshot()
     return not (
-        snapshot.scheduler_ids
-        or snapshot.runner_cached_ids
-        or snapshot.executor_held_ids
-        or snapshot.unclaimed_stream_ids
+        snapshot.scheduler_ids or snapshot.runner_cached_ids or snapshot.unclaimed_stream_ids
     )
 
 

@@ -461,9 +461,9 @@ def test_the_client_decides_ids_and_params_without_asking_the_stage(shared: Shar
         with shared.gate as gate:
             rid = await client.add_request("hold", FAST, request_id="taken/0")
             await gate.entered()
-            with pytest.raises(DuplicateRequestError, match="'taken/0' is in use"):
+            with pytest.raises(DuplicateRequestError, match="'taken/0' is taken"):
                 await client.add_request("x", FAST, request_id="taken/0")
-            with pytest.raises(DuplicateRequestError, match="'taken/0' is in use"):
+            with pytest.raises(DuplicateRequestError, match="'taken/0' is taken"):
                 await client.add_batch_request(["x"], FAST, request_id="taken")  # its prompt 0
             with pytest.raises(InvalidFieldError, match="request_id"):
                 await client.add_request("x", FAST, request_id="")

@@ -74,6 +74,7 @@ def _one_step(scheduler: StepScheduler, output: SchedulerOutput) -> list[Request
         progress[rid] = (request.step_index + 1, total)
         if request.step_index + 1 == total:
             images[rid] = torch.zeros(1, 1, 1, 1)
+    scheduler.cost_meter.wave_ran(output, scheduler.clock())  # as the engine core does
     ended = scheduler.update_from_output(
         output, RunnerOutput(output.wave_id, images, progress=progress)
     )

@@ -21,10 +21,13 @@ class DiffusionExecutor(abc.ABC):
     """Runs scheduler outputs on workers and reports results keyed by request id.
 
     An executor never decides what runs: it executes exactly the ids of each
-    :class:`SchedulerOutput`. Ordinary pipeline errors come back per request
-    inside the :class:`RunnerOutput`; a failure of the worker group (a dead
-    process, a sticky device fault) marks the executor failed for good, and
-    every later call raises :class:`EngineDeadError`.
+    :class:`SchedulerOutput`, and sees nothing else. It keeps no table by
+    request id: a request's end reaches the workers as ``finished_ids`` of a
+    later output, and the core ignores results of requests that ended.
+    Ordinary pipeline errors come back per request inside the
+    :class:`RunnerOutput`; a failure of the worker group (a dead process, a
+    sticky device fault) marks the executor failed for good, and every later
+    call raises :class:`EngineDeadError`.
     """
 
     #: Whether :meth:`validate_request` runs in this process without waiting on a
@@ -66,16 +69,6 @@ class DiffusionExecutor(abc.ABC):
         """
         check_request_input(prompt, params)
         self.collective_rpc("validate_request", (prompt, params), unique_reply_rank=0)
-
-    def held_request_ids(self) -> frozenset[str]:
-        """Ids of requests this executor holds bookkeeping for (none by default)."""
-        return frozenset()
-
-    def release_request(self, request_id: str) -> None:  # noqa: B027 - optional hook
-        """Drop executor bookkeeping for a request that reached a terminal state.
-
-        Called from the terminal hook; the default holds no per-request state.
-        """
 
     # -- health ------------------------------------------------------------------------
 

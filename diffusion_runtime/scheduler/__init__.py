@@ -3,6 +3,7 @@
 from diffusion_runtime.contracts import NewRequestData, SchedulerOutput
 from diffusion_runtime.fsm import DEADLINE_REASON
 from diffusion_runtime.scheduler.base import BaseScheduler, Ended
+from diffusion_runtime.scheduler.cost_meter import WaveCostMeter
 from diffusion_runtime.scheduler.policies import (
     EarliestDeadlinePolicy,
     FifoPolicy,
@@ -30,4 +31,5 @@ __all__ = [
     "SloAwarePolicy",
     "StepCostModel",
     "StepScheduler",
+    "WaveCostMeter",
 ]

@@ -24,9 +24,10 @@ from diffusion_runtime.fsm import (
     Trigger,
 )
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.scheduler.cost_meter import WaveCostMeter
 from diffusion_runtime.scheduler.policies import SchedulingPolicy, resolve_policy_class
 from diffusion_runtime.scheduler.request import Request
-from diffusion_runtime.scheduler.step_cost import IDLE_AFTER_S, StepCostModel
+from diffusion_runtime.scheduler.step_cost import StepCostModel
 
 
 class Ended(NamedTuple):
@@ -34,35 +35,6 @@ class Ended(NamedTuple):
 
     request: Request
     event: LifecycleEvent
-
-
-#: Waves after a start whose time beyond ordinary steps is its start cost: on digits
-#: on a CPU the first three waves after an idle spell are slow (2.5-2.9, 1.6-2.1 and
-#: 1.45 ms against 1.2), the fourth is not.
-START_WINDOW_WAVES = 3
-
-
-class _WaveTiming(NamedTuple):
-    wave_id: int
-    key: Hashable
-    batch_size: int
-    steps: int
-    started: float
-    #: Step mode: a request takes its last step in the wave (it also decodes).
-    finishes: bool
-
-
-class _StartWindow(NamedTuple):
-    """The waves after requests started on a step-mode engine, being timed."""
-
-    key: Hashable
-    request_ids: frozenset[str]
-    idle: bool
-    batch_size: int
-    started: float
-    waves_left: int
-    #: Waves in it in which a request took its last step (their decodes are no start cost).
-    finishes: int
 
 
 class BaseScheduler(abc.ABC):
@@ -82,8 +54,8 @@ class BaseScheduler(abc.ABC):
     #: then do finished ids travel in ``finished_ids``: in request mode a
     #: worker holds nothing once a wave is done, so nothing is sent to release.
     keeps_runner_state: ClassVar[bool] = False
-    #: The time of the requests: it times waves for the step cost model and stamps
-    #: ``scheduled_time``/``finished_time``. The core sets it to its own clock, so
+    #: The time of the requests: it stamps each wave's scheduling for :attr:`cost_meter`
+    #: and ``scheduled_time``/``finished_time``. The core sets it to its own clock, so
     #: it agrees with arrival times, deadlines and the ``now`` given to :meth:`schedule`.
     clock: Callable[[], float] = staticmethod(time.monotonic)
 
@@ -98,6 +70,8 @@ class BaseScheduler(abc.ABC):
         self._finished_ids: list[str] = []
         self._next_wave_id = 0
         self.step_costs = StepCostModel()
+        #: Times the waves for :attr:`step_costs`; the core reports each wave's results to it.
+        self.cost_meter = WaveCostMeter(self.step_costs, step_mode=self.keeps_runner_state)
         self.policy: SchedulingPolicy = resolve_policy_class(config.scheduling_policy)(
             self.step_costs
         )
@@ -108,8 +82,6 @@ class BaseScheduler(abc.ABC):
         # (deadline, order, request) of requests that may be dropped when it passes.
         self._deadlines: list[tuple[float, int, Request]] = []
         self._admissions = itertools.count()
-        self._wave_timing: _WaveTiming | None = None
-        self._start_window: _StartWindow | None = None
         machine.add_hook(Hook.SCHEDULED, self._on_scheduled)
         machine.add_hook(Hook.PREEMPTED, self._on_preempted)
         machine.add_hook(Hook.TERMINAL, self._on_terminal)
@@ -345,7 +317,10 @@ class BaseScheduler(abc.ABC):
         schedule = self.machine.fire
         for request in (*resumed, *new):
             schedule(request, Trigger.SCHEDULE, wave_id=wave_id)
-        self._time_wave(wave_id, bool(new or resumed), new, cached_ids)
+        cached = [self.requests[request_id] for request_id in cached_ids]
+        self.cost_meter.wave_scheduled(
+            wave_id, new, cached, starts=bool(new or resumed), now=self.clock()
+        )
         finished_ids = tuple(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(
@@ -358,100 +333,6 @@ class BaseScheduler(abc.ABC):
             num_running=len(self.running),
             num_waiting=len(self.waiting),
         )
-
-    def _time_wave(
-        self, wave_id: int, starts: bool, new: list[Request], cached_ids: tuple[str, ...]
-    ) -> None:
-        """Start timing the wave for the step cost model (and, in step mode, for
-        start costs: see :meth:`_watch_start`). In step mode only a wave of
-        requests that all ran in the previous step is timed: one that ``starts``
-        requests also builds their states (several ordinary steps' worth on
-        digits), one that resumes them may bring their states back from host
-        memory, and either taught the model a step far slower than the ones that
-        follow. A wave in which a request takes its last step also decodes its
-        images: what it takes beyond an ordinary step is the key's finish cost,
-        not a step.
-
-        A step-mode wave's work begins at the end of the step before it, or at the
-        arrival of the first request it starts if that came later: what the
-        engine does between two steps (applying results, delivering outputs,
-        scheduling) is part of what each step costs a running request, and an
-        idle engine's time to take up a request is part of its start. A gap of
-        :data:`IDLE_AFTER_S` or more (a pause, control calls) is no such cost:
-        the wave's work then begins at its scheduling."""
-        now = self.clock()
-        size = len(new) + len(cached_ids)
-        began, finishes = now, False
-        if self.keeps_runner_state and size:
-            arrived = min((request.arrival_time for request in new), default=None)
-            known = [t for t in (self.step_costs.last_wave_end, arrived) if t is not None]
-            began = max(known, default=now)
-            if not 0.0 <= now - began < IDLE_AFTER_S:
-                began = now
-            in_wave = (*new, *(self.requests[rid] for rid in cached_ids))
-            finishes = any(request.remaining_steps <= 1 for request in in_wave)
-            self._watch_start(new, size, now, began, finishes)
-            first = None if starts else self.requests.get(cached_ids[0])
-            steps = 1
-        else:
-            first = new[0] if new else None
-            steps = 0 if first is None else first.params.num_inference_steps
-        if first is not None:
-            self._wave_timing = _WaveTiming(wave_id, first.batch_key, size, steps, began, finishes)
-
-    def _watch_start(
-        self, new: list[Request], size: int, now: float, began: float, finishes: bool
-    ) -> None:
-        """Step mode: time the :data:`START_WINDOW_WAVES` waves from one that starts
-        requests (``size`` in all), for their key's start cost on an idle or a busy
-        engine. A wave that starts requests replaces an open window: the engine
-        was empty before it (the open window's requests ended first, and the gap
-        is no start cost), or the new window, on a busy engine, measures the new
-        start. An open window also measures nothing once the engine was idle
-        before a wave, or once a wave runs none of the requests it started
-        (they ended or were preempted, or another key's wave runs). A wave in it
-        in which a request takes its last step (``finishes``) also decodes: the
-        key's finish cost is taken off the window's time for each."""
-        idle = self.step_costs.is_idle(now)
-        if new:
-            started = frozenset(request.request_id for request in new)
-            self._start_window = _StartWindow(
-                new[0].batch_key, started, idle, size, began, START_WINDOW_WAVES, int(finishes)
-            )
-        elif idle:
-            self._start_window = None
-        elif self._start_window is not None and finishes:
-            window = self._start_window
-            self._start_window = window._replace(finishes=window.finishes + 1)
-
-    def record_wave_cost(self, output: SchedulerOutput) -> None:
-        """Feed the time ``output`` took to run (from when its work began to now) to the
-        step cost model. Call it first thing in :meth:`update_from_output`."""
-        now = self.clock()
-        if output.scheduled_ids:
-            self.step_costs.wave_ended(now)
-        timing = self._wave_timing
-        if timing is not None and timing.wave_id == output.wave_id:
-            self._wave_timing = None
-            seconds, costs = now - timing.started, self.step_costs
-            if timing.finishes:
-                costs.observe_finish(timing.key, timing.batch_size, seconds)
-            else:
-                costs.observe(timing.key, timing.batch_size, seconds / timing.steps)
-        window = self._start_window
-        if window is not None and output.scheduled_ids:
-            if window.request_ids.isdisjoint(output.scheduled_ids):
-                self._start_window = None  # its requests left, or another key's wave ran
-                return
-            if window.waves_left > 1:
-                self._start_window = window._replace(waves_left=window.waves_left - 1)
-                return
-            self._start_window = None
-            costs = self.step_costs
-            step_s = costs.seconds_per_step(window.key, window.batch_size)
-            decodes_s = window.finishes * costs.finish_seconds(window.key)
-            extra = now - window.started - START_WINDOW_WAVES * step_s - decodes_s
-            costs.observe_start(window.key, window.idle, extra)
 
     def requeue_finished_ids(self, request_ids: tuple[str, ...]) -> None:
         """Report ids as finished again: the output that carried them failed."""

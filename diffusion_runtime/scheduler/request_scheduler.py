@@ -51,7 +51,6 @@ class RequestScheduler(BaseScheduler):
         return min(wakeups, default=None)
 
     def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> list[Ended]:
-        self.record_wave_cost(output)
         fire = self.machine.fire
         wave_id = output.wave_id
         ended = []

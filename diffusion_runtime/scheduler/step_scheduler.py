@@ -41,7 +41,6 @@ class StepScheduler(BaseScheduler):
         return self.build_output(new, cached_ids, resumed)
 
     def update_from_output(self, output: SchedulerOutput, result: RunnerOutput) -> list[Ended]:
-        self.record_wave_cost(output)
         fire = self.machine.fire
         wave_id = output.wave_id
         ended = []

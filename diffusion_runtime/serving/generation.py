@@ -10,8 +10,8 @@ import anyio.to_thread
 from fastapi import Request
 from starlette.responses import Response
 
-from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.errors import DiffusionRuntimeError, QueueFullError
+from diffusion_runtime.front import Front
 from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
@@ -36,11 +36,11 @@ from diffusion_runtime.serving.schema import ImageData, ImageGenerationRequest, 
 
 
 class ImageGeneration:
-    """Serves image generation requests against one engine."""
+    """Serves image generation requests against one front (any :class:`Front`)."""
 
     def __init__(
         self,
-        engine: DiffusionEngine,
+        engine: Front,
         config: ServerConfig,
         model_name: str,
         metrics: EngineMetrics,

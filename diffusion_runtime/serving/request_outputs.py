@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.front import Front
 from diffusion_runtime.outputs import RequestOutput
 
 
@@ -18,7 +18,7 @@ class RequestOutputs:
     its outputs any more, and the reader then receives the aborted final output.
     """
 
-    def __init__(self, engine: DiffusionEngine, request_id: str, owner: OutputReaders) -> None:
+    def __init__(self, engine: Front, request_id: str, owner: OutputReaders) -> None:
         self.request_id = request_id
         self._read_final = False
         self._engine = engine

@@ -30,6 +30,7 @@ from diffusion_runtime.executor.mp.spec import portable_config
 from diffusion_runtime.executor.rpc_checks import checked_method, checked_timeout
 from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine
 from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.routes import OutputRoutes
 from diffusion_runtime.sampling_params import SamplingParams, checked_params, prompts_and_params
 from diffusion_runtime.stage.batch import BatchRequest, child_request_id
 from diffusion_runtime.stage.codec import (
@@ -67,7 +68,7 @@ from diffusion_runtime.stage.messages import (
 )
 from diffusion_runtime.stage.proc import DEFAULT_MAX_FRAME_BYTES
 from diffusion_runtime.stage.process import DRAIN_S, StageProcess
-from diffusion_runtime.streams import AsyncStream, OutputSink, claim_stream, read_stream
+from diffusion_runtime.streams import AsyncStream, OutputSink, read_stream
 from diffusion_runtime.validation import bounded_input
 
 logger = logging.getLogger(__name__)
@@ -119,11 +120,9 @@ class StageClient:
         self._dead: EngineDeadError | None = None
         self._minter = RequestMinter()
         self._call_ids = itertools.count()
-        #: Where the outputs of each request in the stage go until its final one:
-        #: its stream, or its batch's parent.
-        self._live: dict[str, OutputSink] = {}
-        #: Streams of :meth:`add_request` calls that :meth:`stream` has not claimed yet.
-        self._unclaimed: dict[str, AsyncStream] = {}
+        #: Where the outputs of each request in the stage go until its final one
+        #: (its stream, or its batch's parent), and the streams nobody claimed yet.
+        self._routes = OutputRoutes()
         #: Batch parents whose final output is not delivered yet.
         self._batches: dict[str, BatchRequest] = {}
         self._batch_machine: RequestMachine[BatchRequest] = RequestMachine()
@@ -203,7 +202,7 @@ class StageClient:
     def unfinished_request_ids(self) -> frozenset[str]:
         """Requests sent to the stage whose final output has not reached this client
         (a batch's prompts by their own ids)."""
-        return frozenset(self._live)
+        return frozenset(self._routes.sinks)
 
     @property
     def batch_machine(self) -> RequestMachine[BatchRequest]:
@@ -229,11 +228,11 @@ class StageClient:
         self._check_free([request_id])
         message = AddRequest(request_id, prompt, params_to_msg(params), self._minter.seed(params))
         stream = AsyncStream(asyncio.get_running_loop(), AsyncStream.wake)
-        self._unclaimed[request_id] = stream
+        self._routes.unclaimed[request_id] = stream
         try:
             await self._submit(request_id, message, {request_id: stream})
         except BaseException:
-            self._unclaimed.pop(request_id, None)
+            self._routes.forget([request_id])
             raise
         return request_id
 
@@ -245,7 +244,7 @@ class StageClient:
         Stopping early aborts the request; iterating raises
         :class:`EngineDeadError` if the stage dies.
         """
-        stream = claim_stream(self._unclaimed, request_id)
+        stream = self._routes.claim(request_id)
         return read_stream(stream, lambda: self._abort_for(request_id, stream))
 
     async def generate(
@@ -277,12 +276,11 @@ class StageClient:
         message = AddRequests(ids[0], ids, prompts, params_to_msg(params), seeds)
         loop = asyncio.get_running_loop()
         streams = {request_id: AsyncStream(loop, AsyncStream.wake) for request_id in ids}
-        self._unclaimed.update(streams)
+        self._routes.unclaimed.update(streams)
         try:
             await self._submit(ids[0], message, dict(streams))
         except BaseException:
-            for request_id in ids:
-                self._unclaimed.pop(request_id, None)
+            self._routes.forget(ids)
             raise
         return ids
 
@@ -297,7 +295,7 @@ class StageClient:
         if failure is not None:
             self.abort(ids, "generate call failed")
             for request_id in ids:
-                self._unclaimed.pop(request_id).close()
+                self._routes.claim(request_id).close()
             raise failure
         return ids
 
@@ -366,7 +364,7 @@ class StageClient:
 
     def _abort_for(self, request_id: str, stream: AsyncStream) -> None:
         """A reader stopped early: abort the request, unless its id went to another."""
-        if self._live.get(request_id) is stream:
+        if self._routes.sink_of(request_id) is stream:
             self._send_abort([request_id], "the consumer stopped reading")
 
     def _abort_children(self, batch: BatchRequest, event: LifecycleEvent) -> None:
@@ -456,15 +454,11 @@ class StageClient:
     def _check_free(self, request_ids: list[str]) -> None:
         """The one duplicate check: an id is taken from admission until its final
         output is read (or, for a batch, delivered)."""
+        self._routes.check_free(request_ids)
         for request_id in request_ids:
-            if (
-                request_id in self._live
-                or request_id in self._unclaimed
-                or request_id in self._admissions
-                or request_id in self._batches
-            ):
+            if request_id in self._admissions or request_id in self._batches:
                 raise DuplicateRequestError(
-                    f"request id {request_id!r} is in use: its final output has not been read yet"
+                    f"request id {request_id!r} is taken: its admission or batch is in flight"
                 )
 
     async def _submit(
@@ -486,13 +480,13 @@ class StageClient:
             raise InvalidFieldError("request", field, rule, f"{len(frame)} bytes")
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._admissions[request_id] = admitted
-        self._live.update(sinks)
+        self._routes.sinks.update(sinks)
         try:
             await stage.requests.send(frame)
             await admitted
         except BaseException as exc:
             for sink_id in sinks:
-                self._live.pop(sink_id, None)
+                self._routes.sinks.pop(sink_id, None)
             self._admissions.pop(request_id, None)
             if isinstance(exc, asyncio.CancelledError):
                 self._send_abort(list(sinks), "the caller stopped waiting for admission")
@@ -587,18 +581,17 @@ class StageClient:
             future.set_result(value)
 
     def _on_result(self, result: Result, extra: list[zmq.Frame]) -> None:
-        sink = self._live.get(result.request_id)
+        sink = self._routes.sink_of(result.request_id)
         if sink is None:
             logger.debug("ignored a result for request %r", result.request_id)
             return
         try:
             output = output_from_frames(result, extra)
         except StageProtocolError as exc:
-            del self._live[result.request_id]
+            del self._routes.sinks[result.request_id]  # its stream keeps the error for its reader
             sink.fail(exc)
             return
-        if output.finished:
-            del self._live[result.request_id]
+        self._routes.route(output)
         sink.push(output)
 
     def _on_error(self, error: Error) -> None:
@@ -622,11 +615,10 @@ class StageClient:
         for future in [*self._admissions.values(), *self._calls.values()]:
             if not future.done():
                 future.set_exception(error)
-        for sink in {id(sink): sink for sink in self._live.values()}.values():
+        for sink in self._routes.close_all():
             sink.fail(error)
         self._admissions.clear()
         self._calls.clear()
-        self._live.clear()
 
 
 def _log_send_failure(sent: asyncio.Future[Any]) -> None:

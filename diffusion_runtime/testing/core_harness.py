@@ -321,7 +321,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             return
         snapshot = self.core.snapshot()
         finished = {rid for rid, s in self.states.items() if s in TERMINAL_STATES}
-        for part in ("scheduler_ids", "runner_cached_ids", "executor_held_ids"):
+        for part in ("scheduler_ids", "runner_cached_ids"):
             held = getattr(snapshot, part) & finished
             assert not held, f"{part} holds finished requests {sorted(held)}"
         if self.config.resolved_mode == "step":

@@ -32,10 +32,10 @@ class FrontCapabilities:
 
     ``pause``: the loop can be held between two steps, so requests and aborts
     pile up and whether a request is still active can be known while it is
-    held. ``snapshot``: what the scheduler, runner and executor hold per
-    request can be inspected. ``live_events``: trace events reach the harness
-    as they happen (otherwise only after close, from the trace file). ``die``:
-    the harness can kill the engine (or one of its workers).
+    held. ``snapshot``: what the scheduler and runner hold per request can
+    be inspected. ``live_events``: trace events reach the harness as they
+    happen (otherwise only after close, from the trace file). ``die``: the
+    harness can kill the engine (or one of its workers).
     ``held_messages_together``: everything sent while the loop is held is
     applied before its next step (a stage reads what has arrived when it is
     released; a message still in flight waits for the step after).

@@ -331,7 +331,6 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
             return
         assert not finished & snapshot.scheduler_ids, finished & snapshot.scheduler_ids
         assert not finished & snapshot.runner_cached_ids, finished & snapshot.runner_cached_ids
-        assert not finished & snapshot.executor_held_ids, finished & snapshot.executor_held_ids
         if self.front.config.resolved_mode == "step":
             # Running requests have step state; so may preempted ones (they resume from it).
             preempted = {

@@ -250,10 +250,12 @@ class LockstepLifecycleMachine(EngineLifecycleMachine):
         for _ in range(data.draw(st.integers(1, 3), label="drives")):
             self.front.drive()
 
-    @precondition(lambda self: not self.closed and self.front.engine.queue_length > 0)
+    @precondition(
+        lambda self: not self.closed and not self.paused and self.front.engine.queue_length > 0
+    )
     @rule(data=st.data())
     def race_an_admission(self, data: st.DataObject) -> None:
-        """Calls made while the core admits a queued request (paused or not)."""
+        """Calls made while the core admits a queued request."""
         self._race("admission", data)
 
     @precondition(lambda self: not self.closed and not self.paused and self._has_work())
@@ -267,6 +269,30 @@ class LockstepLifecycleMachine(EngineLifecycleMachine):
     def race_an_end(self, data: st.DataObject) -> None:
         """Calls made as a request reaches its terminal state."""
         self._race("end", data)
+
+    @precondition(lambda self: self.paused and self.front.engine.queue_length > 0)
+    @rule()
+    def resume_during_a_paused_step(self) -> None:
+        """resume() lands while a step that began paused runs: at its first
+        admission if it makes one (it must not), else right after it. Either way
+        the step chooses no wave, and the next one takes everything queued."""
+        resumed = False
+
+        def at_admission(event: TraceEvent) -> None:
+            nonlocal resumed
+            if not resumed and _is_point(event, "admission"):
+                resumed = True
+                self.reach.note("path: a paused step admitted a request")
+                self._note_resume()
+                EngineLifecycleMachine.resume(self)
+
+        self.front.on_event = at_admission
+        try:
+            self.front.drive()
+        finally:
+            self.front.on_event = None
+        if not resumed:
+            self.resume()
 
     def _has_work(self) -> bool:
         return bool(self.front.engine.queue_length or self.front.snapshot().scheduler_ids)

@@ -121,7 +121,7 @@ def stream_not_woken_on_close() -> contextlib.AbstractContextManager[None]:
     def make(original: Any) -> Any:
         def end_callers(self: DiffusionEngine, error: Any) -> None:
             with self._changed:  # streams are never told the engine ended
-                self._sinks.clear()
+                self._routes.close_all()
 
         return end_callers
 

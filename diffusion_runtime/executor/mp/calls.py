@@ -10,9 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import threading
-from collections.abc import Iterable
-
-import attrs
 
 from diffusion_runtime.errors import EngineDeadError
 from diffusion_runtime.executor.mp.messages import OutputReady, Reply
@@ -39,10 +36,8 @@ class WaveCall:
     """One wave: done when rank 0 sent both ComputeDone and OutputReady (either order),
     or when any rank reports an error."""
 
-    def __init__(self, call_id: int, request_ids: Iterable[str]) -> None:
+    def __init__(self, call_id: int) -> None:
         self.call_id = call_id
-        self.request_ids = frozenset(request_ids)
-        self.released: set[str] = set()
         self.future: concurrent.futures.Future[OutputReady] = concurrent.futures.Future()
         self._compute_done = False
         self._ready: OutputReady | None = None
@@ -62,14 +57,12 @@ class WaveCall:
 
 class CallTable:
     """Thread-safe: callers open and discard calls, the result pump completes them,
-    the engine's terminal hook releases request ids, and a failure closes the table."""
+    and a failure closes the table."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._calls: dict[int, RpcCall | WaveCall] = {}
-        # The wave in flight of each request id it runs: releases are O(1).
-        self._wave_of: dict[str, WaveCall] = {}
         self._closed: str | None = None
 
     # -- callers -------------------------------------------------------------------------
@@ -80,11 +73,10 @@ class CallTable:
             self._calls[call.call_id] = call
             return call
 
-    def open_wave(self, request_ids: Iterable[str]) -> WaveCall:
+    def open_wave(self) -> WaveCall:
         with self._lock:
-            call = WaveCall(self._next_id(), request_ids)
+            call = WaveCall(self._next_id())
             self._calls[call.call_id] = call
-            self._wave_of.update(dict.fromkeys(call.request_ids, call))
             return call
 
     @property
@@ -95,31 +87,7 @@ class CallTable:
     def discard(self, call_id: int) -> None:
         """Forget a call: from now on its replies are stale."""
         with self._lock:
-            call = self._calls.pop(call_id, None)
-            if isinstance(call, WaveCall):
-                for request_id in call.request_ids:
-                    if self._wave_of.get(request_id) is call:
-                        del self._wave_of[request_id]
-
-    def released_ids(self, call: WaveCall) -> frozenset[str]:
-        with self._lock:
-            return frozenset(call.released)
-
-    def release_request(self, request_id: str) -> None:
-        """The request ended: its images in a wave still in flight will not be read."""
-        with self._lock:
-            call = self._wave_of.get(request_id)
-            if call is not None:
-                call.released.add(request_id)
-
-    def held_request_ids(self) -> frozenset[str]:
-        """Ids of requests in waves in flight, except those released."""
-        with self._lock:
-            return frozenset(
-                request_id
-                for request_id, call in self._wave_of.items()
-                if request_id not in call.released
-            )
+            self._calls.pop(call_id, None)
 
     def close(self, reason: str) -> None:
         """Fail every call in flight and every later one with :class:`EngineDeadError`."""
@@ -128,7 +96,6 @@ class CallTable:
                 self._closed = reason
             calls = list(self._calls.values())
             self._calls.clear()
-            self._wave_of.clear()
         for call in calls:
             if not call.future.done():
                 call.future.set_exception(EngineDeadError(reason))
@@ -157,11 +124,8 @@ class CallTable:
             call = self._calls.get(ready.call_id)
             if not isinstance(call, WaveCall) or call.future.done():
                 return True
-            unread = all(slot.request_id in call.released for slot in ready.slots)
-            if unread:
-                ready = attrs.evolve(ready, segment=None, inline=b"", slots=())
             call.on_output_ready(ready)
-            return unread
+            return False
 
     def _next_id(self) -> int:
         if self._closed is not None:

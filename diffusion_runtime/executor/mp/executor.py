@@ -121,15 +121,14 @@ class MultiprocExecutor(DiffusionExecutor):
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self.check_health()
-        call = self._calls.open_wave(scheduler_output.scheduled_ids)
+        call = self._calls.open_wave()
         try:
             self._send(self._group.broadcast, dumps(Execute(call.call_id, scheduler_output)))
             ready = call.future.result()
-            skip = self._calls.released_ids(call)
         finally:
             self._calls.discard(call.call_id)
         try:
-            tensors = self._reader.copy_out(ready.segment, ready.inline, ready.slots, skip)
+            tensors = self._reader.copy_out(ready.segment, ready.inline, ready.slots)
         finally:
             if ready.segment is not None:
                 self._release_segment(ready.segment)
@@ -190,9 +189,6 @@ class MultiprocExecutor(DiffusionExecutor):
         finally:
             self._calls.discard(call.call_id)
 
-    def release_request(self, request_id: str) -> None:
-        self._calls.release_request(request_id)
-
     def shutdown(self) -> None:
         self._finalizer()
 
@@ -207,10 +203,6 @@ class MultiprocExecutor(DiffusionExecutor):
     def segment_prefix(self) -> str:
         """The name prefix of every shared-memory segment this executor's workers create."""
         return self._segment_prefix
-
-    def held_request_ids(self) -> frozenset[str]:
-        """Ids of requests the executor holds bookkeeping for (waves in flight)."""
-        return self._calls.held_request_ids()
 
     # -- messages from the workers (the result pump's thread) ----------------------------
 

@@ -190,19 +190,18 @@ class OutputReader:
         name: str | None,
         inline: bytes,
         slots: Sequence[ImageSlot],
-        skip: frozenset[str] = frozenset(),
     ) -> dict[str, dict[str, torch.Tensor]]:
         """Read ``slots`` from segment ``name``, or from ``inline`` when it is None."""
         with self._lock:
             if self._closed:
                 raise EngineDeadError(SHUT_DOWN)
             if name is None:
-                return read_slots(numpy.frombuffer(inline, dtype=numpy.uint8), slots, skip)
+                return read_slots(numpy.frombuffer(inline, dtype=numpy.uint8), slots)
             segment = self._mapped.get(name)
             if segment is None:
                 segment = self._mapped[name] = Segment(name)
             assert segment.bytes is not None
-            return read_slots(segment.bytes, slots, skip)
+            return read_slots(segment.bytes, slots)
 
     def forget(self, names: Iterable[str]) -> None:
         with self._lock:
@@ -272,14 +271,10 @@ def write_slots(
 def read_slots(
     buffer: numpy.ndarray[Any, numpy.dtype[numpy.uint8]],
     slots: Sequence[ImageSlot],
-    skip: frozenset[str],
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """``{field: {request id: tensor}}``, each tensor a copy that owns its memory,
-    for every slot whose request is not in ``skip``."""
+    """``{field: {request id: tensor}}``, each tensor a copy that owns its memory."""
     fields: dict[str, dict[str, torch.Tensor]] = {}
     for slot in slots:
-        if slot.request_id in skip:
-            continue
         tensor = torch.empty(slot.shape, dtype=_dtype(slot.dtype))
         numpy.copyto(_as_bytes(tensor), buffer[slot.offset : slot.offset + slot.nbytes])
         fields.setdefault(slot.field, {})[slot.request_id] = tensor

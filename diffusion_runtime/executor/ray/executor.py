@@ -23,7 +23,6 @@ from diffusion_runtime.executor.ray.failures import is_lost_worker, remote_cause
 from diffusion_runtime.executor.ray.group import RayWorkerGroup
 from diffusion_runtime.executor.ray.liveness import LivenessMonitor
 from diffusion_runtime.executor.ray.transport import WaveReply
-from diffusion_runtime.executor.ray.waves import WaveTable
 from diffusion_runtime.executor.request_checks import serialised_request
 from diffusion_runtime.executor.rpc_checks import (
     checked_method,
@@ -69,7 +68,6 @@ class RayExecutor(DiffusionExecutor):
             RayConnection.release()
             raise
         self._actors: list[Any] = list(self._group.actors)
-        self._waves = WaveTable()
         self._shut_down = False
         # The monitor reaches the executor through a weak reference, so that a
         # forgotten executor is still collected (and its finalizer run).
@@ -100,16 +98,12 @@ class RayExecutor(DiffusionExecutor):
         # Passed by value: a scheduler output is small, and a ray.put per wave was measured
         # to cost more (2 ms here) than serialising it once per rank. Ray itself moves an
         # argument over 100 KiB through the object store.
-        wave_key = self._waves.open(scheduler_output.scheduled_ids)
-        try:
-            refs = [
-                actor.execute.remote(scheduler_output, rank == OUTPUT_RANK)
-                for rank, actor in enumerate(self._actors)
-            ]
-            reply: WaveReply = self._results(refs, None, "a wave")[OUTPUT_RANK]
-        finally:
-            released = self._waves.close(wave_key)
-        return reply.unpack(skip=released)
+        refs = [
+            actor.execute.remote(scheduler_output, rank == OUTPUT_RANK)
+            for rank, actor in enumerate(self._actors)
+        ]
+        reply: WaveReply = self._results(refs, None, "a wave")[OUTPUT_RANK]
+        return reply.unpack()
 
     def collective_rpc(
         self,
@@ -139,13 +133,6 @@ class RayExecutor(DiffusionExecutor):
             return
         self._check_usable()
         self._results([self._actors[0].validate.remote(prompt, params)], None, "validate_request")
-
-    def release_request(self, request_id: str) -> None:
-        self._waves.release(request_id)
-
-    def held_request_ids(self) -> frozenset[str]:
-        """Ids of requests in waves in flight, except those that ended meanwhile."""
-        return self._waves.held_request_ids()
 
     def shutdown(self) -> None:
         self._shut_down = True

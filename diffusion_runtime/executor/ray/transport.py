@@ -4,13 +4,10 @@ The output rank returns a :class:`WaveReply`: the runner output without its
 tensors, plus each tensor as a NumPy array. Ray stores NumPy arrays out of
 band, so a large image is written into the object store once and read here as
 a view of shared memory, then copied once into a private tensor (the store's
-memory is freed when the reply is dropped). Ids released while the wave was in
-flight are not copied at all.
+memory is freed when the reply is dropped).
 """
 
 from __future__ import annotations
-
-from collections.abc import Collection
 
 import attrs
 import numpy as np
@@ -39,14 +36,10 @@ class WaveReply:
         }
         return cls(attrs.evolve(output, images={}, previews={}), tensors)
 
-    def unpack(self, skip: Collection[str]) -> RunnerOutput:
-        """The runner output, without the tensors of the request ids in ``skip``."""
+    def unpack(self) -> RunnerOutput:
+        """The runner output, each tensor a private copy."""
         fields = {
-            field: {
-                rid: _to_tensor(payload)
-                for rid, payload in self.tensors[field].items()
-                if rid not in skip
-            }
+            field: {rid: _to_tensor(payload) for rid, payload in self.tensors[field].items()}
             for field in TENSOR_FIELDS
         }
         return attrs.evolve(self.output, images=fields["images"], previews=fields["previews"])
