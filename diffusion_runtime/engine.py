@@ -410,14 +410,10 @@ class DiffusionEngine:
         self._driver_thread = threading.get_ident()
         try:
             self._run_control_calls()
-            result = self._step()
-            self._deliver(result.outputs)
+            result = self._step_and_deliver()
             return result.executed or bool(result.outputs)
         finally:
-            self._driver_thread = None
-            with self._changed:
-                self._driver.release()
-                self._changed.notify_all()
+            self._leave_driving()
 
     def _refuse_reentry(self, what: str) -> None:
         """Hooks run on the driving thread: calling back into the engine from
@@ -461,10 +457,7 @@ class DiffusionEngine:
                 try:
                     self._drive(done, deadline)
                 finally:
-                    self._driver_thread = None
-                    with self._changed:
-                        self._driver.release()
-                        self._changed.notify_all()
+                    self._leave_driving()
             else:
                 with self._changed:
                     if not done() and self._driver.locked():
@@ -479,11 +472,22 @@ class DiffusionEngine:
             self._run_control_calls()
             if self._should_stop(done, deadline):
                 return
-            result = self._step()
-            self._deliver(result.outputs)
+            result = self._step_and_deliver()
             if self._should_stop(done, deadline):
                 return
             self._idle(deadline, result)
+
+    def _step_and_deliver(self) -> StepResult:
+        result = self._step()
+        self._deliver(result.outputs)
+        return result
+
+    def _leave_driving(self) -> None:
+        """Release the driver lock and wake whoever waits for it or for outputs."""
+        self._driver_thread = None
+        with self._changed:
+            self._driver.release()
+            self._changed.notify_all()
 
     def _should_stop(self, done: Callable[[], bool], deadline: float | None) -> bool:
         if done() or self._closed or self._fatal is not None:
