@@ -17,6 +17,8 @@ from typing import Any
 
 import hypothesis
 import pytest
+from hypothesis.core import encode_failure
+from hypothesis.database import InMemoryExampleDatabase, choices_to_bytes
 from test_pytest_plugin import run_pytest
 
 from diffusion_runtime import EngineConfig
@@ -24,6 +26,7 @@ from diffusion_runtime.cli import main
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
 from diffusion_runtime.testing.pytest_plugin import LifecycleHarness
+from diffusion_runtime.testing.replay import ChoiceRecorder
 
 OVERFULL_MODULE = "test_overfull_replay"
 
@@ -117,6 +120,7 @@ def test_a_failing_test_case_replays_until_its_bug_is_fixed(
 
 FLAKY = """
 import itertools
+from pathlib import Path
 
 from hypothesis import settings
 from hypothesis.stateful import rule
@@ -141,22 +145,31 @@ def config():
 TestFlaky = lifecycle_test_case(
     config,
     base=FailsOnce,
+    replay_dir=Path(__file__).parent / "replays",
     settings=settings(max_examples=5, stateful_step_count=5, deadline=None, database=None),
 )
 """
 
 
-def test_a_flaky_verdict_fails_the_test_and_says_why_it_has_no_replay_file(
-    tmp_path: Path,
+def test_a_flaky_verdict_fails_the_test_with_a_replay_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A failure hypothesis cannot reproduce is reported, never retried away. For
-    this verdict hypothesis gives no reproduction blob, and the report says so."""
+    this verdict hypothesis prints no reproduction blob; the replay file is made
+    from the failing example hypothesis saved, and it reruns."""
     module = tmp_path / "test_flaky_harness.py"
     module.write_text(FLAKY)
     run = run_pytest(tmp_path, module.name)
     output = run.stdout + run.stderr
     assert "1 failed" in output and "Inconsistent results" in output, output
-    assert "No replay file: hypothesis gave no reproduction blob" in output, output
+    replay = tmp_path / "replays" / "test_flaky_harness.TestFlaky.replay.json"
+    assert f"rerun it with: diffusion-runtime audit --replay {replay}" in output, output
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "test_flaky_harness", raising=False)
+    code, out, err = audit(capsys, "--replay", str(replay))
+    sys.modules.pop("test_flaky_harness", None)
+    assert code in (0, 1), out + err
+    assert "state = " in out, out  # the example's steps, replayed
 
 
 class Overfull(RequestScheduler):
@@ -251,3 +264,19 @@ def test_audit_options_that_do_not_fit_are_refused(
 ) -> None:
     code, out, err = audit(capsys, *args)
     assert code == 2 and message in err and "Traceback" not in out + err, out + err
+
+
+def test_the_choice_recorder_keeps_the_users_database_whole() -> None:
+    """A harness run records failing examples without taking the user's database
+    away: saves, fetches and deletes reach it; secondary entries are not failures."""
+    users = InMemoryExampleDatabase()
+    recorder = ChoiceRecorder(users)
+    small, large = choices_to_bytes([1]), choices_to_bytes([1, 2, 3])
+    recorder.save(b"key", large)
+    recorder.save(b"key", small)
+    recorder.save(b"key.secondary", choices_to_bytes([]))
+    assert set(recorder.fetch(b"key")) == {small, large}
+    recorder.delete(b"key", large)
+    assert list(users.fetch(b"key")) == [small]
+    assert recorder.smallest_blob() == encode_failure([1]).decode()
+    assert ChoiceRecorder(None).smallest_blob() is None

@@ -99,20 +99,25 @@ def lifecycle_harness(tmp_path: Path, request: pytest.FixtureRequest) -> Lifecyc
         from hypothesis.stateful import run_state_machine_as_test
 
         from diffusion_runtime.testing.core_harness import core_lifecycle_machine
-        from diffusion_runtime.testing.replay import recipe_for_harness, record_failure
+        from diffusion_runtime.testing.replay import (
+            ChoiceRecorder,
+            recipe_for_harness,
+            record_failure,
+        )
 
         trace = tmp_path / "failing-example.jsonl"
         machine = core_lifecycle_machine(config, trace_path=trace, **options)
-        settings = Settings(
-            max_examples=max_examples,
-            stateful_step_count=steps,
-            deadline=None,
-            database=None,
-            derandomize=True,
-            phases=[Phase.generate, Phase.shrink],
-            suppress_health_check=list(HealthCheck),
-            print_blob=True,  # the replay file holds the blob
-            report_multiple_bugs=False,  # one failing example, one replay file
+        settings, recorder = ChoiceRecorder.around(
+            Settings(
+                max_examples=max_examples,
+                stateful_step_count=steps,
+                deadline=None,
+                derandomize=True,
+                phases=[Phase.generate, Phase.shrink],
+                suppress_health_check=list(HealthCheck),
+                print_blob=True,  # the replay file holds the blob
+                report_multiple_bugs=False,  # one failing example, one replay file
+            )
         )
         try:
             run_state_machine_as_test(machine, settings=settings)
@@ -122,6 +127,7 @@ def lifecycle_harness(tmp_path: Path, request: pytest.FixtureRequest) -> Lifecyc
                 tmp_path,
                 lambda: recipe_for_harness(config, options, request.module),
                 settings,
+                recorder,
             )
             raise AssertionError(
                 f"{exc}\n\nThe failing example's trace: {trace}\n"

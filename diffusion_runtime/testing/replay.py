@@ -1,8 +1,10 @@
 """Failing harness examples as replay files, and their reruns.
 
 A failure report gets hypothesis's reproduction blob from the note that
-``settings(print_blob=True)`` adds to the failure, and writes it in a
-:class:`ReplayFile` with what rebuilds the harness. :func:`rerun` rebuilds the
+``settings(print_blob=True)`` adds to the failure (or, for a flaky verdict,
+which has no such note, from the failing choices a :class:`ChoiceRecorder`
+saw hypothesis save), and writes it in a :class:`ReplayFile` with what
+rebuilds the harness. :func:`rerun` rebuilds the
 harness and runs that one example through ``@reproduce_failure``: no
 generation, no shrinking, the same choices against the engine as it is now.
 """
@@ -13,7 +15,7 @@ import inspect
 import re
 import sys
 import unittest
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -22,7 +24,8 @@ import attrs
 import hypothesis
 from hypothesis import HealthCheck, reproduce_failure
 from hypothesis import settings as Settings
-from hypothesis.core import decode_failure
+from hypothesis.core import decode_failure, encode_failure
+from hypothesis.database import ExampleDatabase, choices_from_bytes
 from hypothesis.errors import DidNotReproduce, InvalidArgument
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
@@ -59,6 +62,50 @@ class ReplayOutcome:
     message: str
 
 
+class ChoiceRecorder(ExampleDatabase):
+    """An example database that remembers the failing examples hypothesis saves
+    in one run, passing everything on to the database the settings had (if any).
+
+    Hypothesis saves each failing example as it finds it. When its verdict is
+    "flaky" (the example did not fail again), no reproduction blob is printed,
+    and the recorded choices are the only way back to the example.
+    """
+
+    def __init__(self, inner: ExampleDatabase | None) -> None:
+        super().__init__()
+        self._inner = inner
+        self._failing: dict[bytes, None] = {}  # insertion-ordered set
+
+    @classmethod
+    def around(cls, settings: Settings) -> tuple[Settings, ChoiceRecorder]:
+        """``settings`` with a recorder in front of their database."""
+        recorder = cls(settings.database)
+        return Settings(settings, database=recorder), recorder
+
+    def save(self, key: bytes, value: bytes) -> None:
+        if not key.endswith((b".secondary", b".pareto")):
+            self._failing[value] = None
+        if self._inner is not None:
+            self._inner.save(key, value)
+
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        return () if self._inner is None else self._inner.fetch(key)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        if self._inner is not None:
+            self._inner.delete(key, value)
+
+    def smallest_blob(self) -> str | None:
+        """The blob of the smallest failing example saved (shrinking saves ever
+        smaller ones), as ``@reproduce_failure`` takes it; ``None`` if none was."""
+        recorded = [choices_from_bytes(value) for value in self._failing]
+        candidates = [choices for choices in recorded if choices is not None]
+        if not candidates:
+            return None
+        smallest = min(candidates, key=lambda choices: (len(choices), repr(choices)))
+        return encode_failure(smallest).decode()
+
+
 def recipe_for_harness(
     config: Callable[[], EngineConfig],
     options: dict[str, Any],
@@ -89,15 +136,20 @@ def record_failure(
     replay_dir: Path,
     recipe: Callable[[], HarnessRecipe | LifecycleTestCaseRecipe],
     settings: Settings,
+    recorder: ChoiceRecorder,
     seed: int | None = None,
 ) -> str:
     """Write the replay file of the example behind ``failure`` (raised with
-    ``print_blob=True``) in ``replay_dir``, named after the harness's config
-    factory or test case, and return the lines a failure report adds: how to
-    rerun it, or why no file could be written. Never raises."""
+    ``print_blob=True``, and ``recorder`` in its settings' database) in
+    ``replay_dir``, named after the harness's config factory or test case, and
+    return the lines a failure report adds: how to rerun it, or why no file
+    could be written. Never raises."""
     reproduction = _take_reproduction(failure)
     if reproduction is None:
-        return "No replay file: hypothesis gave no reproduction blob for this failure."
+        blob = recorder.smallest_blob()
+        if blob is None:
+            return "No replay file: hypothesis saved no failing example for this failure."
+        reproduction = hypothesis.__version__, blob
     version, blob = reproduction
     try:
         harness = recipe()
@@ -177,7 +229,9 @@ def replayable_test_case(
 
         def runTest(self) -> None:
             # One failing example, one replay file.
-            settings = Settings(self.settings, print_blob=True, report_multiple_bugs=False)
+            settings, recorder = ChoiceRecorder.around(
+                Settings(self.settings, print_blob=True, report_multiple_bugs=False)
+            )
             try:
                 run_state_machine_as_test(machine, settings=settings)
             except Exception as exc:
@@ -187,6 +241,7 @@ def replayable_test_case(
                     replay_dir,
                     lambda: recipe_for_test_case(test_case),
                     settings,
+                    recorder,
                     getattr(machine, "_hypothesis_internal_use_seed", None),
                 )
                 raise AssertionError(f"{exc}\n\n{report}") from exc
