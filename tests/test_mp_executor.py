@@ -7,7 +7,6 @@ so that spawned processes can import them from this file.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import gc
 import multiprocessing
 import os
@@ -33,6 +32,7 @@ from conftest import (
     suite_device_index,
     wait_for,
 )
+from executor_helpers import GatedPipeline, PreviewingNoise, run_in_thread
 from hypothesis import HealthCheck, settings
 
 from diffusion_runtime import (
@@ -50,7 +50,6 @@ from diffusion_runtime.contracts import NewRequestData, SchedulerOutput
 from diffusion_runtime.executor.mp import MultiprocExecutor, WorkerStartError
 from diffusion_runtime.executor.mp.messages import ComputeDone, FromWorker, OutputReady
 from diffusion_runtime.executor.mp.segments import SEGMENT_PREFIX, segment_names
-from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
 from diffusion_runtime.testing.harness import lifecycle_test_case
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline, SeededNoisePipeline
 
@@ -101,26 +100,6 @@ class FailsOnRankOne:
 
 def exits_during_start(device: Any) -> Any:
     os._exit(3)
-
-
-class GatedPipeline(FaultInjectingPipeline):
-    """Leaves a file in ``flag_dir`` when a "gate" forward starts (the gate is per process)."""
-
-    def __init__(self, device: Any = "cpu", flag_dir: str = "") -> None:
-        super().__init__(device)
-        self.flag_dir = flag_dir
-
-    def forward(self, batch: Sequence[PipelineRequest]) -> Any:
-        if any("gate" in str(request.prompt) for request in batch):
-            Path(self.flag_dir, f"entered-{os.getpid()}").touch()
-        return super().forward(batch)
-
-
-class PreviewingNoise(SeededNoisePipeline):
-    """The noise pipeline with streaming previews."""
-
-    def preview(self, state: StepRequestState) -> torch.Tensor:
-        return torch.sigmoid(state.latents)
 
 
 class AlternatingOrder(MultiprocExecutor):
@@ -186,19 +165,6 @@ def mp_config(pipeline: Any = "testing-faults", **overrides: Any) -> EngineConfi
 def wave(wave_id: int, prompts: dict[str, str], params: SamplingParams = FAST) -> SchedulerOutput:
     new = tuple(NewRequestData(rid, prompt, params, 1) for rid, prompt in prompts.items())
     return SchedulerOutput(wave_id, new, (), (), len(new), 0)
-
-
-def run_in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def body() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=body, daemon=True).start()
-    return future
 
 
 @pytest.fixture(autouse=True)

@@ -16,11 +16,12 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from conftest import child_pids, engine_threads, wait_for
+from executor_helpers import run_in_thread
 
 from diffusion_runtime import (
     DiffusionEngine,
@@ -65,19 +66,6 @@ def mp_config(**overrides: Any) -> EngineConfig:
     overrides.setdefault("worker_liveness_timeout_s", LIVENESS_S)
     overrides.setdefault("shutdown_grace_s", GRACE_S)
     return EngineConfig(**overrides)
-
-
-def run_in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def body() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=body, daemon=True).start()
-    return future
 
 
 def process_exists(pid: int) -> bool:

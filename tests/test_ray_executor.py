@@ -12,15 +12,15 @@ import signal
 import threading
 import time
 import unittest
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 import hypothesis.strategies as st
 import pytest
-import torch
 from conftest import engine_threads
+from executor_helpers import GatedPipeline, PreviewingNoise
 from hypothesis import HealthCheck, settings
 from pause_rounds import ROUNDS, run_rounds
 
@@ -32,9 +32,7 @@ from diffusion_runtime import (
     RPCError,
     SamplingParams,
 )
-from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
 from diffusion_runtime.testing.harness import lifecycle_test_case
-from diffusion_runtime.testing.pipelines import FaultInjectingPipeline, SeededNoisePipeline
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -64,26 +62,6 @@ class Probe:
     def nap(self, seconds: float) -> str:
         time.sleep(seconds)
         return "awake"
-
-
-class GatedPipeline(FaultInjectingPipeline):
-    """Leaves a file in ``flag_dir`` when a "gate" forward starts (the gate is per actor)."""
-
-    def __init__(self, device: Any = "cpu", flag_dir: str = "") -> None:
-        super().__init__(device)
-        self.flag_dir = flag_dir
-
-    def forward(self, batch: Sequence[PipelineRequest]) -> Any:
-        if any("gate" in str(request.prompt) for request in batch):
-            Path(self.flag_dir, f"entered-{os.getpid()}").touch()
-        return super().forward(batch)
-
-
-class PreviewingNoise(SeededNoisePipeline):
-    """The noise pipeline with streaming previews."""
-
-    def preview(self, state: StepRequestState) -> torch.Tensor:
-        return torch.sigmoid(state.latents)
 
 
 # -- the cluster ---------------------------------------------------------------------

@@ -1,0 +1,53 @@
+"""Pipelines and helpers that the mp, Ray and liveness executor tests share.
+
+Workers import the pipelines by this module's name (the tests' folder is on
+their path), so they live here rather than in a test module.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
+from diffusion_runtime.testing.pipelines import FaultInjectingPipeline, SeededNoisePipeline
+
+
+class GatedPipeline(FaultInjectingPipeline):
+    """Leaves a file in ``flag_dir`` when a "gate" forward starts (one per process)."""
+
+    def __init__(self, device: Any = "cpu", flag_dir: str = "") -> None:
+        super().__init__(device)
+        self.flag_dir = flag_dir
+
+    def forward(self, batch: Sequence[PipelineRequest]) -> Any:
+        if any("gate" in str(request.prompt) for request in batch):
+            Path(self.flag_dir, f"entered-{os.getpid()}").touch()
+        return super().forward(batch)
+
+
+class PreviewingNoise(SeededNoisePipeline):
+    """The noise pipeline with streaming previews."""
+
+    def preview(self, state: StepRequestState) -> torch.Tensor:
+        return torch.sigmoid(state.latents)
+
+
+def run_in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+    """Run ``fn`` on a daemon thread; its result or exception lands in the future."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def body() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=body, daemon=True).start()
+    return future
