@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
@@ -51,3 +52,21 @@ def run_in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
 
     threading.Thread(target=body, daemon=True).start()
     return future
+
+
+# Deeper than pickling can recurse; the input bounds count each link as one item.
+DEEPER_THAN_PICKLE = 100_000
+
+
+@attrs.define
+class Link:
+    """One link of a chain nested ``depth`` deep."""
+
+    inner: Link | None
+
+
+def chain(depth: int) -> Link | None:
+    link = None
+    for _ in range(depth):
+        link = Link(link)
+    return link

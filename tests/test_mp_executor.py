@@ -32,7 +32,13 @@ from conftest import (
     suite_device_index,
     wait_for,
 )
-from executor_helpers import GatedPipeline, PreviewingNoise, run_in_thread
+from executor_helpers import (
+    DEEPER_THAN_PICKLE,
+    GatedPipeline,
+    PreviewingNoise,
+    chain,
+    run_in_thread,
+)
 from hypothesis import HealthCheck, settings
 
 from diffusion_runtime import (
@@ -232,22 +238,6 @@ def test_one_worker_serves_the_same_bits_as_uni_and_survives_request_failures(
     assert outputs[1].image_batch is not None and outputs[1].image_batch.shape == (2, 3, 64, 64)
     assert outputs[5].image_batch is not None and outputs[5].image_batch.shape == (2, 3, 160, 160)
     assert mp.generate(["still serving"], FAST)[0].ok
-
-
-# Deeper than pickling can recurse; the input bounds count each link as one item.
-DEEPER_THAN_PICKLE = 100_000
-
-
-@attrs.define
-class Link:
-    inner: Link | None
-
-
-def chain(depth: int) -> Link | None:
-    link = None
-    for _ in range(depth):
-        link = Link(link)
-    return link
 
 
 def test_admission_errors_keep_their_type_and_field(engines: Build) -> None:

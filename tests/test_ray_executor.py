@@ -20,7 +20,7 @@ import attrs
 import hypothesis.strategies as st
 import pytest
 from conftest import engine_threads
-from executor_helpers import GatedPipeline, PreviewingNoise
+from executor_helpers import DEEPER_THAN_PICKLE, GatedPipeline, PreviewingNoise, chain
 from hypothesis import HealthCheck, settings
 from pause_rounds import ROUNDS, run_rounds
 
@@ -253,22 +253,6 @@ def test_rpc_replies_by_rank_time_out_and_refuse_bad_input(
     # The timed-out nap ran to its end on the workers; the engine still serves.
     [output] = engine.generate(["after"], FAST)
     assert output.ok
-
-
-# Deeper than pickling can recurse; the input bounds count each link as one item.
-DEEPER_THAN_PICKLE = 100_000
-
-
-@attrs.define
-class Link:
-    inner: Link | None
-
-
-def chain(depth: int) -> Link | None:
-    link = None
-    for _ in range(depth):
-        link = Link(link)
-    return link
 
 
 def test_a_request_that_cannot_reach_the_actors_is_refused_by_its_field(
