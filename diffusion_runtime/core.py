@@ -65,7 +65,7 @@ from diffusion_runtime.fsm.events import (
 )
 from diffusion_runtime.fsm.trace import JsonlTraceWriter
 from diffusion_runtime.inbox import CoreInbox, Queued, QueuedAbort, QueuedRequest
-from diffusion_runtime.outputs import RequestMetrics, RequestOutput
+from diffusion_runtime.outputs import RequestMetrics, RequestOutput, images_digest
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 from diffusion_runtime.scheduler.request import Request
@@ -690,7 +690,7 @@ class EngineCore:
                 request.request_id,
                 output.status,
                 finished=output.finished,
-                digest="" if images is None else _digest(images),
+                digest="" if images is None else images_digest(images),
                 fingerprint=_fingerprint(request),
                 time=time.monotonic(),
             )
@@ -719,12 +719,6 @@ def _as_dead(exc: BaseException) -> EngineDeadError:
     if isinstance(exc, Exception):
         logger.exception("the engine core failed")
     return EngineDeadError(f"the engine core failed: {describe_error(exc)}")
-
-
-def _digest(images: torch.Tensor) -> str:
-    """A fingerprint of an image tensor's bytes."""
-    raw = images.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-    return hashlib.blake2b(raw, digest_size=12).hexdigest()
 
 
 def _fingerprint(request: Request) -> str:

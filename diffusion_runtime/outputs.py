@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 
 import attrs
@@ -11,6 +12,12 @@ from diffusion_runtime.fsm import RequestStatus
 
 if TYPE_CHECKING:
     from PIL import Image
+
+
+def images_digest(images: torch.Tensor) -> str:
+    """A fingerprint of an image tensor's bytes (what a delivery event carries)."""
+    raw = images.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(raw, digest_size=12).hexdigest()
 
 
 @attrs.frozen(slots=True)

@@ -23,10 +23,10 @@ from diffusion_runtime.testing.deadline_harness import (
     PatientEarliestDeadline,
     tick_deadlines,
 )
+from diffusion_runtime.testing.gap_mutations import PriorityPreemptingScheduler
 from diffusion_runtime.testing.harness import EngineLifecycleMachine, lifecycle_machine
 from diffusion_runtime.testing.lockstep import lockstep_machine
-from diffusion_runtime.testing.mutations import CATALOGUE, Mutation, hunt
-from diffusion_runtime.testing.preemption_harness import PreemptiveCoreLifecycleMachine
+from diffusion_runtime.testing.mutations import CATALOGUE, Mutation, hunt, passes
 from diffusion_runtime.testing.stage_front import StageFront
 from diffusion_runtime.testing.strategies import sampling_params
 
@@ -48,6 +48,10 @@ DEADLINE_EXAMPLES = 200
 #: running set with two places free while aged requests of both keys and a young one
 #: of the running key wait (about 400 examples; each takes about 13 ms).
 PATIENT_EXAMPLES = 1500
+#: Examples a core-driven target may take to catch a mutation (about 12 ms each).
+#: The bugs whose path is rare take 100-150 by the draws, and the draws move with
+#: every rule added: the budget leaves room, and a caught bug stops the hunt.
+CATCH_EXAMPLES = 500
 
 FAST_SUBSET = {
     "results-by-position",
@@ -72,6 +76,12 @@ FAST_SUBSET = {
     "preempted-deadline-forgotten",
     "stage-exit-skips-core-shutdown",
     "inbox-apart-from-pause",
+    "missing-result-fails-wave",
+    "own-step-failure-fails-step",
+    "staging-buffer-reused",
+    "user-preemption-readmits",
+    "queue-time-until-the-end",
+    "drive-idles-before-done",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -87,9 +97,18 @@ REQUIRED_REACH = {
         "path: close with active requests": 5,
         "path: death with other requests active": 5,
         "path: RPC timeout refused": 5,
+        "path: a request excused by a batch mate's forward failure": 3,
+        "path: delivered images re-checked after later waves": 100,
+        "rule: fill, then urgent work": 50,
     },
     "step": {"rule: abort a RUNNING request": 5, "path: progress output": 20},
     "mp": {"path: RPC timed out": 1, "path: RPC answered": 3},
+    "user-scheduler": {
+        "path: preempted": 20,
+        "path: resumed": 10,
+        "path: a preempted request completed as the oracle": 5,
+        "path: abort of a preempted request": 3,
+    },
     "preempt": {
         "path: preempted": 20,
         "path: resumed": 10,
@@ -100,6 +119,7 @@ REQUIRED_REACH = {
         "path: resumed from host memory": 5,
     },
     "deadline-slo-drop": {
+        "path: a RUNNING request reached its deadline": 10,
         "path: dropped at its deadline": 20,
         "path: dropped at its deadline while preempted": 3,
         "path: a deadline fell exactly on a step": 8,
@@ -136,6 +156,7 @@ REQUIRED_REACH = {
         "path: raced at end": 5,
         "path: resumed with requests queued": 5,
         "path: resumed with aborts queued": 3,
+        "path: generate timed out while paused": 3,
     },
     "stage": {  # 40 examples a mode: far fewer than the others, so counts move more
         "path: consumer dropped while its request was active": 5,
@@ -205,7 +226,18 @@ def preempt_harness() -> type[CoreLifecycleMachine]:
         fatal_prompts=st.just("device-fault"),
         params=params("step", priorities=(0, 3)),
         rpc_timeouts=st.sampled_from([1e-6, None, 5.0]),
-        base=PreemptiveCoreLifecycleMachine,
+    )
+
+
+def user_scheduler_harness() -> type[CoreLifecycleMachine]:
+    """The default core harness (no priority drawn) with a user's scheduler that
+    preempts on priority: its own rules must make it preempt."""
+    return core_lifecycle_machine(
+        lambda: config("step"),
+        prompts=st.sampled_from(["cat", "dog", 7]),
+        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
+        params=params("step"),
+        scheduler_cls=PriorityPreemptingScheduler,
     )
 
 
@@ -296,6 +328,8 @@ def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
         return stage_harness(mode)
     if target == "preempt":
         return preempt_harness()
+    if target == "user-scheduler":
+        return user_scheduler_harness()
     deadline_targets = {
         "deadline-drop": lambda: deadline_harness("slo", "drop"),
         "deadline-run_late": lambda: deadline_harness("slo", "run_late"),
@@ -319,6 +353,7 @@ def test_catalogue_is_large_and_named_uniquely() -> None:
         "deadline-run_late",
         "deadline-patient",
         "stage",
+        "user-scheduler",
     }
     assert {m.name for m in CATALOGUE} >= FAST_SUBSET
 
@@ -328,7 +363,7 @@ def passes_and_reaches(
 ) -> None:
     """The real runtime passes ``examples`` examples of ``machine`` and reaches each
     required path at least as often as required; no engine thread is left."""
-    assert hunt(None, machine, max_examples=examples) is None
+    passes(machine, examples)
     reach = machine.reach  # type: ignore[attr-defined]
     print(reach.table())
     assert not reach.missing(required), f"paths reached too rarely: {reach.missing(required)}"
@@ -347,6 +382,10 @@ def test_the_real_runtime_passes_and_reaches_every_path(target: str, mode: str) 
 
 def test_the_real_runtime_passes_with_preemption_and_reaches_every_path() -> None:
     passes_and_reaches(preempt_harness(), MAX_EXAMPLES, REQUIRED_REACH["preempt"])
+
+
+def test_a_users_preempting_scheduler_preempts_under_the_default_rules() -> None:
+    passes_and_reaches(user_scheduler_harness(), MAX_EXAMPLES, REQUIRED_REACH["user-scheduler"])
 
 
 @pytest.mark.parametrize(
@@ -369,13 +408,13 @@ def test_the_real_runtime_keeps_the_aging_bound_without_preemption() -> None:
 def test_the_real_runtime_meets_deadlines_in_every_configuration(
     policy: str, miss: str, mode: str
 ) -> None:
-    assert hunt(None, deadline_harness(policy, miss, mode), max_examples=MAX_EXAMPLES) is None
+    passes(deadline_harness(policy, miss, mode), MAX_EXAMPLES)
 
 
 @pytest.mark.slow
 def test_the_real_runtime_passes_on_mp() -> None:
     machine = core_harness("step", "mp")
-    assert hunt(None, machine, max_examples=MP_EXAMPLES) is None
+    passes(machine, MP_EXAMPLES)
     print(machine.reach.table())
     assert not machine.reach.missing(REQUIRED_REACH["mp"]), machine.reach.table()
 
@@ -384,7 +423,7 @@ def test_the_real_runtime_passes_on_mp() -> None:
 @pytest.mark.parametrize("mode", ["request", "step"])
 def test_the_real_runtime_passes_on_the_stage(mode: str) -> None:
     machine = stage_harness(mode)
-    assert hunt(None, machine, max_examples=STAGE_PASS_EXAMPLES) is None
+    passes(machine, STAGE_PASS_EXAMPLES)
     print(machine.reach.table())
     assert not machine.reach.missing(REQUIRED_REACH["stage"]), machine.reach.table()
 
@@ -394,7 +433,7 @@ def catch(mutation: Mutation) -> None:
         "mp": MP_EXAMPLES,
         "stage": STAGE_EXAMPLES,
         "deadline-patient": PATIENT_EXAMPLES,
-    }.get(mutation.target, MAX_EXAMPLES)
+    }.get(mutation.target, CATCH_EXAMPLES)
     start = time.monotonic()
     caught = hunt(mutation, harness_for(mutation.target, mutation.mode), max_examples=examples)
     elapsed = time.monotonic() - start
@@ -423,4 +462,4 @@ def test_the_harness_catches_the_rest(mutation: Mutation) -> None:
 @pytest.mark.parametrize("mode", ["request", "step"])
 def test_the_real_runtime_passes_a_thousand_examples(mode: str) -> None:
     """The thorough run: 1,000 examples of 60 rules, no violation, no flaky draws."""
-    assert hunt(None, core_harness(mode), max_examples=1000, steps=60) is None
+    passes(core_harness(mode), 1000, steps=60)

@@ -10,6 +10,7 @@ command line's ``main`` in this process, which is faster.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,8 +106,8 @@ def test_a_failing_test_case_replays_until_its_bug_is_fixed(
     assert code == 1, out + err
     assert "state = ConfiguredCoreLifecycle()" in out, out
     assert "failure: AssertionError: INV-007" in out, out
-    assert "max_num_seqs is 2" in out and "{'kind': 'wave'" in out, out  # describe()
-    assert f"(INV-007: 1) in the replayed trace {trace}" in out, out
+    assert "INV-007 " in out and "{'kind': 'wave'" in out, out  # describe()
+    assert re.search(rf"\(INV-007: \d+\) in the replayed trace {re.escape(str(trace))}", out), out
     assert trace.read_text().count("\n") > 3
     instants = [e["name"] for e in json.loads(drawing.read_text())["traceEvents"]]
     assert "INV-007 violated" in instants

@@ -2,8 +2,8 @@
 
 - :mod:`~diffusion_runtime.testing.core_harness`: the deterministic lifecycle
   harness over an :class:`~diffusion_runtime.core.EngineCore`, one ``step()`` at
-  a time; :mod:`~diffusion_runtime.testing.preemption_harness` and
-  :mod:`~diffusion_runtime.testing.deadline_harness` (on a virtual clock) add
+  a time (its rules make any scheduler that can preempt do so);
+  :mod:`~diffusion_runtime.testing.deadline_harness` (on a virtual clock) adds
   rules and checks to it;
 - :mod:`~diffusion_runtime.testing.harness`: the front harness
   (:func:`lifecycle_test_case`, :func:`lifecycle_machine`) over the fronts of
@@ -19,7 +19,7 @@
 - :mod:`~diffusion_runtime.testing.strategies`: hypothesis strategies;
 - :mod:`~diffusion_runtime.testing.mutations`: broken runtimes the harnesses must
   catch (with :mod:`.policy_mutations`, :mod:`.preemption_mutations`,
-  :mod:`.deadline_mutations` and :mod:`.stage_mutations`);
+  :mod:`.deadline_mutations`, :mod:`.stage_mutations` and :mod:`.gap_mutations`);
 - :mod:`~diffusion_runtime.testing.pipelines`: small deterministic pipelines
   with fault injection (no hypothesis needed);
 - :mod:`~diffusion_runtime.testing.replay`: failing examples as replay files

@@ -7,17 +7,22 @@ requests (alone, in bursts that mix failing prompts with good ones, and under
 ids already taken), step the core, abort between steps and during a wave, call
 worker RPCs with short timeouts, kill a worker and close. After every rule:
 the auditor (INV-001..011) found nothing and no component holds state for a
-finished request. At the end: every request that no fault touched completed,
-every completed output equals the pipeline's own output for that request
-(called directly, outside the engine), outputs depend on the seed, and nothing
-is left held. :class:`~diffusion_runtime.testing.reach.Reach` counts the paths reached,
-preemption among them (:mod:`.preemption_harness` adds the rules that reach it;
-:mod:`.deadline_harness` runs on a virtual clock, with deadlines).
+finished request, and every delivered output still holds the images it was
+delivered with. At the end: every request that no fault touched completed (a
+failing request excuses its batch mates only where the pipeline fails a whole
+batch for it), every completed output equals the pipeline's own output for
+that request (called directly, outside the engine), outputs depend on the
+seed, and nothing is left held. A rule fills the running set and then admits
+urgent work, so any scheduler that can preempt does.
+:class:`~diffusion_runtime.testing.reach.Reach` counts the paths reached
+(:mod:`.deadline_harness` runs on a virtual clock, with deadlines).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,12 +47,12 @@ from diffusion_runtime.errors import DuplicateRequestError, EngineDeadError, RPC
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
 from diffusion_runtime.fsm.audit import Auditor
-from diffusion_runtime.fsm.events import TraceEvent, WaveEvent
+from diffusion_runtime.fsm.events import DeliveryEvent, TraceEvent, WaveEvent
 from diffusion_runtime.fsm.trace import JsonlTraceWriter
-from diffusion_runtime.outputs import RequestOutput
-from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.outputs import RequestOutput, images_digest
+from diffusion_runtime.sampling_params import MAX_PRIORITY, SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
-from diffusion_runtime.testing.oracle import DirectOracle
+from diffusion_runtime.testing.oracle import DirectOracle, FailureScope
 from diffusion_runtime.testing.probes import PROBE_PATH
 from diffusion_runtime.testing.reach import Reach
 from diffusion_runtime.testing.strategies import sampling_params
@@ -68,6 +73,8 @@ class RequestRecord:
     aborted: bool = False
     preempted: bool = False
     final: RequestOutput | None = None
+    #: The digest of the final output's images when it was delivered.
+    delivered_digest: str | None = None
     waves: set[int] = attrs.field(factory=set)
 
 
@@ -114,10 +121,13 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self.closed = False
         self.dead = False
         self.last_wave_ids: tuple[str, ...] = ()
+        self.latest_wave_id = -1
         #: Ids queued with the core and not admitted yet (the next step admits them).
         self.queued: set[str] = set()
         #: Ids aborted while active: the next step must end them FINISHED_ABORTED.
         self.abort_due: set[str] = set()
+        #: Image digests of final outputs delivered in the current step, by id.
+        self._delivery_digests: dict[str, str] = {}
         #: Runs once when the next wave is scheduled, before the workers run it.
         self._during_wave: Callable[[], None] | None = None
         self._rpc_calls = 0
@@ -225,6 +235,57 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             self._abort(rid)
 
         self._step(during_wave=during_the_wave)
+
+    @precondition(lambda self: self._alive)
+    @rule(data=st.data())
+    def fill_then_add_urgent_work(self, data: st.DataObject) -> None:
+        """Requests fill the running set, a step runs them, then up to a full wave
+        of requests that outrank every active one (a better priority; the step
+        count of the longest active request, or the one the strategy drew)
+        arrives, and a step lets a scheduler that can preempt do so: all of the
+        running set, or part of it. Requests preempted for the longest stay
+        preempted for a while."""
+        active = sum(1 for rid in self.records if self._is_active(rid))
+        params = data.draw(self.params)
+        for _ in range(max(0, self.config.max_num_seqs - active)):
+            self._add(data, data.draw(self.prompts), params, failing=False)
+        longest = data.draw(st.booleans(), label="as long as the longest")
+        urgent = data.draw(st.integers(1, self.config.max_num_seqs), label="urgent requests")
+        self.reach.note("rule: fill, then urgent work")
+
+        def outranking(drawn: SamplingParams, active: list[SamplingParams]) -> SamplingParams:
+            steps = max(p.num_inference_steps for p in active) if longest else None
+            return attrs.evolve(
+                drawn,
+                priority=max(min(p.priority for p in active) - 1, -MAX_PRIORITY),
+                num_inference_steps=steps or drawn.num_inference_steps,
+            )
+
+        self._add_a_wave_between_steps(data, outranking, urgent)
+
+    def _add_a_wave_between_steps(
+        self,
+        data: st.DataObject,
+        params_for: Callable[[SamplingParams, list[SamplingParams]], SamplingParams],
+        count: int | None = None,
+    ) -> None:
+        """A step, then ``count`` (default ``max_num_seqs``) requests with
+        ``params_for(drawn params, the active requests' params)``, then a step
+        (nothing is added once all have ended)."""
+        self._step()
+        active = [self.records[rid].params for rid in self.records if self._is_active(rid)]
+        if self.dead or not active:
+            return
+        params = params_for(data.draw(self.params), active)
+        for _ in range(self.config.max_num_seqs if count is None else count):
+            self._add(data, data.draw(self.prompts), params, failing=False)
+        self._step()
+
+    @precondition(lambda self: self._alive and self._ids_in(RequestStatus.PREEMPTED))
+    @rule(data=st.data())
+    def abort_a_preempted_request(self, data: st.DataObject) -> None:
+        preempted = self._ids_in(RequestStatus.PREEMPTED)
+        self.abort(data.draw(st.sampled_from(preempted), label="preempted id"))
 
     @precondition(lambda self: self._alive)
     @rule(data=st.data())
@@ -342,7 +403,27 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         pipeline_held = set(self._pipeline_held()) & finished
         assert not pipeline_held, f"the pipeline holds finished requests {sorted(pipeline_held)}"
 
+    @invariant()
+    def delivered_images_stay_as_delivered(self) -> None:
+        """An output's images do not change once delivered (a reused buffer would)."""
+        for record in self._all_records():
+            final, digest = record.final, record.delivered_digest
+            if final is None or final.image_batch is None or digest is None:
+                continue
+            if images_digest(final.image_batch) != digest:
+                raise AssertionError(
+                    f"{final.request_id!r} (prompt {record.prompt!r}): its delivered images "
+                    "changed afterwards (do they share memory with a reused buffer?)"
+                )
+            if record.waves and max(record.waves) < self.latest_wave_id:
+                self.reach.note("path: delivered images re-checked after later waves")
+
     def teardown(self) -> None:
+        if sys.exc_info()[1] is not None:
+            # A rule or invariant failed (hypothesis tears down in a ``finally``):
+            # release everything, and let its failure be the one reported.
+            self._release_all()
+            return
         try:
             if self._alive:
                 self._run_until_idle()
@@ -351,10 +432,17 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 assert not held, f"the pipeline holds state after every request ended: {held}"
             self._check_outcomes()
         finally:
-            self._take(self.core.shutdown())
+            self._take(self._release_all())
+        self.delivered_images_stay_as_delivered()
+        self._check_final_trace()
+
+    def _release_all(self) -> list[RequestOutput]:
+        """Shut the core down and close the trace; the outputs the shutdown made."""
+        try:
+            return self.core.shutdown()
+        finally:
             if self._trace_writer is not None:
                 self._trace_writer.close()
-        self._check_final_trace()
 
     # -- checks ------------------------------------------------------------------------
 
@@ -362,7 +450,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         """Every request no fault, abort or death touched completed, with its image count."""
         if self.dead:
             return
-        poisoned = self._waves_with_failing_prompts()
+        poisoned = self._waves_failed_whole()
         for record in self._all_records():
             final = record.final
             assert final is not None, f"no final output for a request with prompt {record.prompt!r}"
@@ -373,12 +461,42 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 assert images is not None and images.shape[0] == count, (
                     f"{final.request_id!r} completed with images {got}; it asked for {count}"
                 )
-            touched = record.failing or record.aborted or bool(record.waves & poisoned)
+            excused = bool(record.waves & poisoned)
+            if excused and not record.failing:
+                self.reach.note("path: a request excused by a batch mate's forward failure")
+            touched = record.failing or record.aborted or excused
             if not touched:
                 assert final.status is RequestStatus.FINISHED_COMPLETED, (
                     f"{final.request_id!r} (prompt {record.prompt!r}) was valid and untouched "
                     f"by faults or aborts, yet ended {final.status}: {final.error}"
                 )
+
+    def _check_fields(self, record: RequestRecord, final: RequestOutput) -> None:
+        """A final output reports the request's seed, and metrics that add up: the
+        queue and execution times are parts of the total, and a request that
+        never ran spent no time executing."""
+        assert final.seed == record.seed, (
+            f"{final.request_id!r} reports seed {final.seed}; it ran with {record.seed}"
+        )
+        metrics = final.metrics
+        assert metrics is not None, f"{final.request_id!r}: a final output without metrics"
+        queue, execution, total = (
+            metrics.queue_time_s,
+            metrics.execution_time_s,
+            metrics.total_time_s,
+        )
+        assert min(queue, execution) >= 0.0, (final.request_id, metrics)
+        # Differences of one clock's readings: equal up to rounding on a real clock,
+        # exactly on a virtual one.
+        assert math.isclose(queue + execution, total, rel_tol=1e-9, abs_tol=1e-9), (
+            f"{final.request_id!r}: queue {queue} s + execution {execution} s is not "
+            f"the total {total} s"
+        )
+        if not record.waves:
+            assert execution == 0.0, (
+                f"{final.request_id!r} never ran, yet reports {execution} s executing"
+            )
+            self.reach.note("path: metrics of a request that never ran")
 
     def _check_against_the_pipeline(self, record: RequestRecord, final: RequestOutput) -> None:
         """A completed output equals the pipeline's own output, called directly, and
@@ -501,6 +619,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 f"but its lifecycle ended {self.states.get(output.request_id)}"
             )
             record.final = output
+            record.delivered_digest = self._delivery_digests.pop(output.request_id, None)
+            self._check_fields(record, output)
             self.reach.note(f"outcome: {output.status.name}")
             if output.status is RequestStatus.FINISHED_COMPLETED:
                 self._check_against_the_pipeline(record, output)
@@ -518,11 +638,14 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 self.admissions[rid] = self.admissions.get(rid, 0) + 1
             elif event.dest in TERMINAL_STATES:
                 self.terminals[rid] = self.terminals.get(rid, 0) + 1
+        elif isinstance(event, DeliveryEvent) and event.finished and event.digest:
+            self._delivery_digests[event.request_id] = event.digest
         elif isinstance(event, WaveEvent):
             during_wave, self._during_wave = self._during_wave, None
             if during_wave is not None:
                 during_wave()
             self.last_wave_ids = event.scheduled_ids
+            self.latest_wave_id = event.wave_id
             for rid in event.scheduled_ids:
                 record = self.records.get(rid)
                 if record is not None:
@@ -554,8 +677,20 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         state = self.states.get(rid)
         return rid in self.queued or (state is not None and state not in TERMINAL_STATES)
 
-    def _waves_with_failing_prompts(self) -> set[int]:
-        return {wave for record in self._all_records() if record.failing for wave in record.waves}
+    def _waves_failed_whole(self) -> set[int]:
+        """The waves of failing requests that the pipeline fails together with their
+        batch mates (a raising forward or denoising step); a request whose result is
+        merely missing, or whose own step fails, fails alone."""
+        waves: set[int] = set()
+        for record in self._all_records():
+            if record.failing and record.waves:
+                scope = self.oracle.failure_scope(record.prompt, record.params, record.seed)
+                if scope is FailureScope.BATCH:
+                    waves |= record.waves
+        return waves
+
+    def _ids_in(self, state: RequestStatus) -> list[str]:
+        return sorted(rid for rid, s in self.states.items() if s is state and rid in self.records)
 
     def _all_records(self) -> list[RequestRecord]:
         return [*self.past, *self.records.values()]

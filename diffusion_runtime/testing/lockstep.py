@@ -10,7 +10,9 @@ the loop and a rule that races it: calls that a caller on another thread
 could make while the loop runs (admit, abort, pause, resume) are made at an
 event point inside the next drive (a request admitted, a wave chosen before
 the workers run it, a request ended). Close races the loop between drives,
-with requests and aborts queued and not taken yet.
+with requests and aborts queued and not taken yet. ``generate()`` with a
+timeout shorter than any work (it drives the engine itself) must return, with
+:class:`TimeoutError` or the output, paused or not.
 
 :class:`PauseChecker` holds the engine to exact pause semantics:
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -344,6 +347,46 @@ class LockstepLifecycleMachine(EngineLifecycleMachine):
         if action == "resume":
             return self.paused
         return True
+
+    @precondition(lambda self: not self.closed and (self.paused or not self._has_work()))
+    @rule(data=st.data())
+    def generate_past_its_timeout(self, data: st.DataObject) -> None:
+        """``generate(timeout=t)`` with ``t`` shorter than any work: it drives the
+        engine itself and must return (:class:`TimeoutError`, or the output if the
+        work beat the clock) within the read timeout, paused or not; a timed-out
+        request is aborted, and the engine serves on.
+
+        Whether the work beats the clock depends on timing, so the call is made
+        only where its outcome cannot steer later draws: on a quiet engine (the
+        call runs its own request to its end either way) or a paused one (no
+        step runs; the request and its abort wait for ``resume()``)."""
+        prompt, params = data.draw(self.prompts), data.draw(self.params)
+        timeout = data.draw(st.sampled_from([1e-4, 1e-3]), label="timeout")
+        outcome: list[BaseException | RequestOutput] = []
+
+        def call() -> None:
+            try:
+                outcome.append(self.front.generate_alone(prompt, params, timeout))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        caller = threading.Thread(target=call, name="harness-generate", daemon=True)
+        caller.start()
+        caller.join(self.read_timeout_s)
+        if caller.is_alive():  # closing wakes it, so the example can end
+            self.closed = True
+            self.front.close()
+            caller.join(self.read_timeout_s)
+            raise AssertionError(
+                f"generate(timeout={timeout}) had not returned after {self.read_timeout_s} s"
+            )
+        [result] = outcome
+        if isinstance(result, TimeoutError):
+            self.reach.note("path: generate timed out" + (" while paused" if self.paused else ""))
+        elif isinstance(result, RequestOutput):
+            self.reach.note("path: generate beat its timeout")
+        else:
+            raise result
 
     @precondition(lambda self: self.paused)
     @rule(rid=EngineLifecycleMachine.requests)

@@ -29,6 +29,7 @@ from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
 from diffusion_runtime.testing.deadline_mutations import DEADLINE_MUTATIONS
+from diffusion_runtime.testing.gap_mutations import GAP_MUTATIONS
 from diffusion_runtime.testing.patching import replace_attribute as _replace
 from diffusion_runtime.testing.policy_mutations import POLICY_MUTATIONS
 from diffusion_runtime.testing.preemption_mutations import PREEMPTION_MUTATIONS
@@ -50,7 +51,9 @@ class Mutation:
     #: ``deadline_miss``), ``"deadline-patient"`` (the same under
     #: ``PatientEarliestDeadline``, which does not preempt), ``"front"`` (a
     #: DiffusionEngine), ``"lockstep"`` (a DiffusionEngine the harness drives
-    #: itself, racing its loop) or ``"stage"`` (a StageClient and its stage process).
+    #: itself, racing its loop), ``"stage"`` (a StageClient and its stage process)
+    #: or ``"user-scheduler"`` (an EngineCore with a user's preempting
+    #: ``scheduler_cls``, under the default core harness).
     target: str = "core"
 
 
@@ -321,8 +324,32 @@ CATALOGUE: tuple[Mutation, ...] = _FIRST_CATALOGUE + tuple(
         *PREEMPTION_MUTATIONS,
         *DEADLINE_MUTATIONS,
         *STAGE_MUTATIONS,
+        *GAP_MUTATIONS,
     )
 )
+
+
+def hunt_settings(max_examples: int = 60, steps: int = 20) -> Settings:
+    """What :func:`hunt` runs a harness with: derandomized, no shrinking, no
+    example database, so the same examples run every time."""
+    return Settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        phases=[Phase.generate],
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+    )
+
+
+def passes(machine: type[RuleBasedStateMachine], max_examples: int = 60, steps: int = 20) -> None:
+    """Run the harness ``machine`` against the real runtime as :func:`hunt` would;
+    a failing example is raised with hypothesis's report (its rules and draws, and
+    the ``@reproduce_failure`` blob that replays it alone)."""
+    settings = Settings(hunt_settings(max_examples, steps), print_blob=True)
+    run_state_machine_as_test(machine, settings=settings)
 
 
 def hunt(
@@ -344,16 +371,7 @@ def hunt(
         examples += 1
         original_init(self)
 
-    settings = Settings(
-        max_examples=max_examples,
-        stateful_step_count=steps,
-        phases=[Phase.generate],
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-        report_multiple_bugs=False,
-    )
+    settings = hunt_settings(max_examples, steps)
     patch = mutation.patch() if mutation is not None else contextlib.nullcontext()
     machine.__init__ = counting_init  # type: ignore[method-assign]
     try:

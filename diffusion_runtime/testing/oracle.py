@@ -4,18 +4,31 @@ sides of the comparison."""
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 
 from diffusion_runtime.config import EngineConfig
-from diffusion_runtime.pipelines.protocols import PipelineRequest, forward_by_steps
+from diffusion_runtime.pipelines.protocols import PipelineRequest, StepPipeline, forward_by_steps
 from diffusion_runtime.pipelines.registry import build_pipeline
 from diffusion_runtime.runner.worker import worker_device
 from diffusion_runtime.sampling_params import SamplingParams
 
 #: The request id of the oracle's direct calls.
 ORACLE_ID = "oracle"
+
+Result = TypeVar("Result")
+
+
+class FailureScope(enum.Enum):
+    """Whom the pipeline fails when it runs a request: nobody, the request alone,
+    or every request of the batch it runs in."""
+
+    NONE = "none"
+    OWN = "own"
+    BATCH = "batch"
 
 
 class DirectOracle:
@@ -41,23 +54,78 @@ class DirectOracle:
 
     def images(self, prompt: Any, params: SamplingParams, seed: int) -> torch.Tensor | None:
         """The pipeline's images for one request alone, or ``None`` when it fails it."""
-        request = PipelineRequest(ORACLE_ID, prompt, params, seed, self.device)
+
+        def run(request: PipelineRequest) -> dict[str, Any]:
+            if self.step_mode:
+                return forward_by_steps(self.pipeline, [request])
+            return dict(self.pipeline.forward([request]))
+
         try:
-            with torch.inference_mode():
-                if self.step_mode:
-                    produced = forward_by_steps(self.pipeline, [request])
-                else:
-                    produced = self.pipeline.forward([request])
+            produced = self._alone(prompt, params, seed, run)
         except Exception:
             return None
-        finally:
-            release = getattr(self.pipeline, "release_requests", None)
-            if callable(release):  # the engine may share this pipeline object
-                release([ORACLE_ID])
         images = produced.get(ORACLE_ID)
         if not isinstance(images, torch.Tensor):
             return None
         return images.detach().to("cpu")
+
+    def failure_scope(self, prompt: Any, params: SamplingParams, seed: int) -> FailureScope:
+        """Whom the pipeline fails with this request, by the runner's rule: a raising
+        ``forward`` (request mode, batched) or ``denoise_step`` (step mode) fails its
+        whole batch; a missing or malformed result, or a raising ``prepare_encode``,
+        ``step_scheduler`` or ``post_decode``, fails this request alone."""
+        outcome = self._alone(prompt, params, seed, self._run_for_scope)
+        if isinstance(outcome, FailureScope):
+            return outcome
+        count = params.num_outputs_per_prompt
+        if isinstance(outcome, torch.Tensor) and outcome.ndim == 4 and len(outcome) == count:
+            return FailureScope.NONE
+        return FailureScope.OWN
+
+    def _run_for_scope(self, request: PipelineRequest) -> FailureScope | object:
+        """The request's images, or the scope of the failure that stopped it."""
+        if not self.step_mode:
+            try:
+                produced: dict[str, object] = dict(self.pipeline.forward([request]))
+            except Exception:
+                batched = self.pipeline.supports_request_batch
+                return FailureScope.BATCH if batched else FailureScope.OWN
+            return produced.get(ORACLE_ID)
+        pipeline = cast(StepPipeline, self.pipeline)
+        try:
+            state = pipeline.prepare_encode(request)
+        except Exception:
+            return FailureScope.OWN
+        while not state.is_done:
+            try:
+                [model_output] = pipeline.denoise_step([state])
+            except Exception:
+                return FailureScope.BATCH
+            try:
+                pipeline.step_scheduler(state, model_output)
+            except Exception:
+                return FailureScope.OWN
+        try:
+            return pipeline.post_decode(state)
+        except Exception:
+            return FailureScope.OWN
+
+    def _alone(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        seed: int,
+        run: Callable[[PipelineRequest], Result],
+    ) -> Result:
+        """``run`` one request through the pipeline, then have it forget the request."""
+        request = PipelineRequest(ORACLE_ID, prompt, params, seed, self.device)
+        try:
+            with torch.inference_mode():
+                return run(request)
+        finally:
+            release = getattr(self.pipeline, "release_requests", None)
+            if callable(release):  # the engine may share this pipeline object
+                release([ORACLE_ID])
 
     def matches(self, expected: torch.Tensor, actual: torch.Tensor, tolerance: float) -> bool:
         """Whether two image batches are equal (within ``tolerance``, absolute)."""

@@ -1,6 +1,6 @@
 """Broken preemption: bugs in how a preempted request keeps its place, its state
-and its cleanup. Each is written the way it would slip in; the preemptive core
-harness (:mod:`.preemption_harness`) must catch each, and ``docs/auditing.md``
+and its cleanup. Each is written the way it would slip in; the core harness
+under a preemptive policy (:mod:`.core_harness`) must catch each, and ``docs/auditing.md``
 says which check does.
 """
 
