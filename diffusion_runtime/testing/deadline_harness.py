@@ -55,7 +55,7 @@ from diffusion_runtime.fsm import (
     RequestStatus,
 )
 from diffusion_runtime.fsm.events import TraceEvent, WaveEvent
-from diffusion_runtime.sampling_params import MAX_PRIORITY, SamplingParams
+from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.cost_meter import START_WINDOW_WAVES
 from diffusion_runtime.scheduler.policies import EarliestDeadlinePolicy, SloAwarePolicy
 from diffusion_runtime.scheduler.step_cost import DEFAULT_STEP_S, IDLE_AFTER_S
@@ -86,22 +86,6 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
     with params that draw deadlines (:func:`tick_deadlines`) and a config naming
     the policy (``edf``, ``slo``), ``deadline_miss`` and ``scheduling_aging_s``
     (a few dozen ticks, so aging is reached)."""
-
-    @precondition(lambda self: self._alive and any(map(self._is_active, self.records)))
-    @rule(data=st.data())
-    def fill_then_add_urgent_work(self, data: st.DataObject) -> None:
-        """Here only a full wave that outranks every active request, as long as the
-        longest. The core rule's fill and partial waves are not used yet: under
-        them the ``slo`` ranking check reports a wave that ran a late request over
-        an on-time one of its key, still to be told apart from a misjudged check."""
-        self._add_a_wave_between_steps(
-            data,
-            lambda drawn, active: attrs.evolve(
-                drawn,
-                priority=max(min(p.priority for p in active) - 1, -MAX_PRIORITY),
-                num_inference_steps=max(p.num_inference_steps for p in active),
-            ),
-        )
 
     def __init__(self) -> None:
         self.clock = VirtualClock()

@@ -15,6 +15,7 @@ import attrs
 from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
 from diffusion_runtime.core import EngineCore, StepResult
 from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.errors import DuplicateRequestError, QueueFullError
 from diffusion_runtime.executor.mp.calls import CallTable, RpcCall
 from diffusion_runtime.executor.mp.executor import MultiprocExecutor
 from diffusion_runtime.executor.mp.messages import Reply
@@ -76,17 +77,16 @@ def wave_skips_incompatible_requests() -> Patch:
 
 def duplicate_id_admitted() -> Patch:
     def make(original: Any) -> Any:
-        def add_request(self: BaseScheduler, request: Request) -> None:
-            # "the front already checks ids" - so a second request replaces the first
-            old = self.requests.pop(request.request_id, None)
-            if old is not None:
-                self.waiting.pop(request.request_id, None)
-                self.running.pop(request.request_id, None)
-            original(self, request)
+        def check_room(self: EngineCore, request_id: str, num_queued: int) -> None:
+            if request_id in self.scheduler.waiting:  # "an id is taken while it waits"
+                raise DuplicateRequestError(f"request id {request_id!r} is waiting")
+            limit = self.config.max_waiting_requests
+            if limit is not None and num_queued + self.scheduler.num_waiting >= limit:
+                raise QueueFullError(f"waiting queue is full ({limit} requests)")
 
-        return add_request
+        return check_room
 
-    return _replace(BaseScheduler, "add_request", make)
+    return _replace(EngineCore, "_check_room", make)
 
 
 def running_abort_ignored() -> Patch:
@@ -354,7 +354,7 @@ POLICY_MUTATIONS: tuple[MutationSpec, ...] = (
      "core", request_waves_mix_step_counts),
     ("wave-ignores-key", "a wave takes incompatible requests", "step", "core",
      wave_skips_incompatible_requests),
-    ("duplicate-id-admitted", "the scheduler admits an id that is in use", "request", "core",
+    ("duplicate-id-admitted", "the core queues an id a running request uses", "step", "core",
      duplicate_id_admitted),
     ("running-abort-ignored", "a running step-mode request ignores its abort", "step", "core",
      running_abort_ignored),
