@@ -10,6 +10,7 @@ import torch
 
 from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.pipelines.diffusers.family import Encoded, Family
+from diffusion_runtime.pipelines.diffusers.scheduler_steps import seed_noise_sampler
 from diffusion_runtime.pipelines.diffusers.support import family_for
 from diffusion_runtime.pipelines.protocols import (
     PipelineRequest,
@@ -102,6 +103,7 @@ class DiffusersPipeline:
         device = self.device if family.timesteps_on_device else None
         scheduler.set_timesteps(params.num_inference_steps, device=device)
         latents, encoded = family.encode(request, scheduler, family.image_size(params))
+        seed_noise_sampler(scheduler, request.generator)  # after the latents, as diffusers draws
         return StepRequestState(
             request=request,
             latents=latents,

@@ -1,4 +1,4 @@
-"""The fewest inference steps a diffusers scheduler can run.
+"""What the adapter needs to know about a diffusers scheduler beyond its ``step``.
 
 Most schedulers run from one step, but not all: ``PNDMScheduler`` with its
 Runge-Kutta warm-up (``skip_prk_steps=False``, the default) needs at least
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+
+import torch
 
 from diffusion_runtime.errors import DiffusionRuntimeError
 
@@ -32,3 +34,22 @@ def minimum_inference_steps(scheduler: Any) -> int:
         f"{type(scheduler).__name__}.set_timesteps failed for every step count "
         f"from 1 to {MAX_PROBED_STEPS}: {failure!r}"
     )
+
+
+#: The largest seed ``BrownianTreeNoiseSampler`` draws itself (``torch.randint(0, 2**63 - 1)``).
+_MAX_NOISE_SEED = 2**63 - 1
+
+
+def seed_noise_sampler(scheduler: Any, generator: torch.Generator) -> None:
+    """Seed a Brownian-tree noise sampler from the request's generator, not torch's global RNG.
+
+    ``DPMSolverSDEScheduler`` (with ``noise_sampler_seed=None``, its default)
+    builds its noise sampler at the first ``step`` from a seed drawn with
+    ``torch.randint`` on the global RNG, and its ``step`` takes no generator:
+    its images would depend on whatever else used the global RNG. A seed drawn
+    here from the request's generator makes them depend on the request alone.
+    A seed set in the scheduler's config is kept.
+    """
+    if hasattr(scheduler, "noise_sampler_seed") and scheduler.noise_sampler_seed is None:
+        seed = torch.randint(0, _MAX_NOISE_SEED, (), generator=generator, device=generator.device)
+        scheduler.noise_sampler_seed = int(seed.item())
