@@ -301,6 +301,7 @@ BENCHMARKS = {
     "control-plane": "diffusion_runtime.bench.control_plane:run",
     "step-vs-request": "diffusion_runtime.bench.step_vs_request:run",
     "dit": "diffusion_runtime.bench.dit:run",
+    "step-overhead": "diffusion_runtime.bench.step_overhead:run",
     "gpu": "diffusion_runtime.bench.gpu:run",
     "digits": "diffusion_runtime.bench.digits:run",
     "stage": "diffusion_runtime.bench.stage:run",

@@ -288,7 +288,7 @@ def test_fixed_size_denoiser_calls_stay_within_rounding_of_diffusers(
 
 
 class GatedAdapter(DiffusersPipeline):
-    """Records each denoise step's ``(request id, step index)`` pairs, and can hold one step.
+    """Records each step's ``(request id, step index)`` pairs, and can hold one step.
 
     While :attr:`hold` is set, the first step in which a request reaches step
     index 2 sets :attr:`entered` and waits for :attr:`release`, so a test can
@@ -302,13 +302,13 @@ class GatedAdapter(DiffusersPipeline):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def denoise_step(self, states: Sequence[StepRequestState]) -> list[torch.Tensor]:
+    def step_batch(self, states: Sequence[StepRequestState]) -> None:
         self.steps.append([(s.request_id, s.step_index) for s in states])
         if self.hold.is_set() and any(s.step_index == 2 for s in states):
             self.hold.clear()
             self.entered.set()
             assert self.release.wait(30)
-        return super().denoise_step(states)
+        super().step_batch(states)
 
 
 @contextlib.contextmanager

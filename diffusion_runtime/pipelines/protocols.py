@@ -131,8 +131,18 @@ class StepPipeline(RequestPipeline, Protocol):
       (updates ``state.latents``, increments ``state.step_index``).
     - ``post_decode(state)`` turns a finished state into images.
 
-    Optional: ``preview(state) -> Tensor | None``, an intermediate image for
-    streaming (e.g. the current prediction of the clean image).
+    Optional:
+
+    - ``preview(state) -> Tensor | None``, an intermediate image for
+      streaming (e.g. the current prediction of the clean image).
+    - ``step_batch(states) -> None``: one whole step for every state, equal
+      for each request to ``denoise_step`` then ``step_scheduler``, but free to
+      run requests at the same step through one scheduler step on stacked
+      latents. When present, the runner (and :func:`forward_by_steps`) calls it
+      instead of those two; an error in it fails every request of the step.
+    - ``post_decode_batch(states) -> Sequence[Tensor]``: ``post_decode`` of
+      several requests that finished at the same step, in one go (one result
+      per state, in order); an error in it fails all of them.
     """
 
     def prepare_encode(self, request: PipelineRequest) -> StepRequestState: ...
@@ -150,13 +160,26 @@ def forward_by_steps(
     """A request-mode ``forward`` made of the step-mode methods.
 
     Runs every request of ``batch`` to its last step (requests with fewer
-    steps leave the batch early) and decodes it. A pipeline whose ``forward``
+    steps leave the batch early) and decodes it, together with those that
+    finish at the same step, as the runner does. A pipeline whose ``forward``
     is this function gives bit-identical images in both execution modes.
     """
     states = [pipeline.prepare_encode(request) for request in batch]
+    step_batch = getattr(pipeline, "step_batch", None)
+    decode_batch = getattr(pipeline, "post_decode_batch", None)
+    images: dict[str, torch.Tensor] = {}
     active = states
     while active:
-        for state, model_output in zip(active, pipeline.denoise_step(active), strict=True):
-            pipeline.step_scheduler(state, model_output)
+        if step_batch is not None:
+            step_batch(active)
+        else:
+            for state, model_output in zip(active, pipeline.denoise_step(active), strict=True):
+                pipeline.step_scheduler(state, model_output)
+        done = [state for state in active if state.is_done]
+        if decode_batch is not None and len(done) > 1:
+            decoded = decode_batch(done)
+        else:
+            decoded = [pipeline.post_decode(state) for state in done]
+        images.update(zip([state.request_id for state in done], decoded, strict=True))
         active = [state for state in active if not state.is_done]
-    return {state.request_id: pipeline.post_decode(state) for state in states}
+    return {state.request_id: images[state.request_id] for state in states}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import attrs
@@ -73,6 +73,10 @@ class ModelRunner:
         self.preview_interval = preview_interval
         self._preview = getattr(pipeline, "preview", None) if preview_interval else None
         self._release_in_pipeline = getattr(pipeline, "release_requests", None)
+        self._step_batch = getattr(pipeline, "step_batch", None) if step_mode else None
+        self._post_decode_batch = (
+            getattr(pipeline, "post_decode_batch", None) if step_mode else None
+        )
         self.states: dict[str, StepRequestState] = {}
         self.input_batch = InputBatch()
         self.host_copier = HostCopier(device, overlap=overlap_outputs)
@@ -183,6 +187,35 @@ class ModelRunner:
         batch = self.input_batch
         batch.update(tuple(ids), self.states)
         result.executed.extend(ids)
+        if self._step_batch is not None:
+            self._run_step_batch(self._step_batch, pipeline, batch, result)
+        else:
+            self._run_step_by_request(pipeline, batch, result)
+        # Finished or failed here: free the tensors now.
+        done = [rid for rid in ids if rid in result.errors or rid in result.images]
+        result.released.extend(self._release(done))
+
+    def _run_step_batch(
+        self,
+        step_batch: Callable[[InputBatch], None],
+        pipeline: StepPipeline,
+        batch: InputBatch,
+        result: RunnerOutput,
+    ) -> None:
+        try:
+            step_batch(batch)
+        except Exception as exc:
+            _reraise_if_sticky(exc)
+            _fail_all(result, batch.request_ids, exc)
+            return
+        finished: list[StepRequestState] = []
+        for state in batch:
+            self._report(state, result, finished)
+        self._decode(pipeline, finished, result)
+
+    def _run_step_by_request(
+        self, pipeline: StepPipeline, batch: InputBatch, result: RunnerOutput
+    ) -> None:
         try:
             model_outputs = pipeline.denoise_step(batch)
             if len(model_outputs) != len(batch):
@@ -191,35 +224,61 @@ class ModelRunner:
                 )
         except Exception as exc:
             _reraise_if_sticky(exc)
-            _fail_all(result, ids, exc)
-        else:
-            for state, model_output in zip(batch, model_outputs, strict=True):
-                self._advance(pipeline, state, model_output, result)
-        # Finished or failed here: free the tensors now.
-        done = [rid for rid in ids if rid in result.errors or rid in result.images]
-        result.released.extend(self._release(done))
+            _fail_all(result, batch.request_ids, exc)
+            return
+        finished: list[StepRequestState] = []
+        for state, model_output in zip(batch, model_outputs, strict=True):
+            try:
+                pipeline.step_scheduler(state, model_output)
+            except Exception as exc:
+                _reraise_if_sticky(exc)
+                result.errors[state.request_id] = describe_error(exc)
+                continue
+            self._report(state, result, finished)
+        self._decode(pipeline, finished, result)
 
-    def _advance(
-        self,
-        pipeline: StepPipeline,
-        state: StepRequestState,
-        model_output: torch.Tensor,
-        result: RunnerOutput,
+    def _report(
+        self, state: StepRequestState, result: RunnerOutput, finished: list[StepRequestState]
     ) -> None:
+        """Record a stepped request's progress; queue it for decoding, or preview it."""
         request_id = state.request_id
-        try:
-            pipeline.step_scheduler(state, model_output)
-            result.progress[request_id] = (state.step_index, state.num_steps)
-            if state.is_done:
-                self._accept_images(state.request, pipeline.post_decode(state), result)
-            elif self._preview is not None and state.step_index % self.preview_interval == 0:
+        result.progress[request_id] = (state.step_index, state.num_steps)
+        if state.is_done:
+            finished.append(state)
+        elif self._preview is not None and state.step_index % self.preview_interval == 0:
+            try:
                 preview = self._preview(state)
                 if preview is not None:
                     result.previews[request_id] = self.host_copier.to_host(preview)
-        except Exception as exc:
-            _reraise_if_sticky(exc)
-            result.errors[request_id] = describe_error(exc)
-            result.progress.pop(request_id, None)
+            except Exception as exc:
+                _reraise_if_sticky(exc)
+                result.errors[request_id] = describe_error(exc)
+                result.progress.pop(request_id, None)
+
+    def _decode(
+        self, pipeline: StepPipeline, states: list[StepRequestState], result: RunnerOutput
+    ) -> None:
+        """Decode finished requests: together when the pipeline has ``post_decode_batch``."""
+        if self._post_decode_batch is not None and len(states) > 1:
+            try:
+                images = self._post_decode_batch(states)
+                if len(images) != len(states):
+                    raise RuntimeError(
+                        f"post_decode_batch returned {len(images)} results for {len(states)} states"
+                    )
+            except Exception as exc:
+                _reraise_if_sticky(exc)
+                _fail_finished(result, states, exc)
+                return
+            for state, image in zip(states, images, strict=True):
+                self._accept_images(state.request, image, result)
+            return
+        for state in states:
+            try:
+                self._accept_images(state.request, pipeline.post_decode(state), result)
+            except Exception as exc:
+                _reraise_if_sticky(exc)
+                _fail_finished(result, [state], exc)
 
     # -- shared ------------------------------------------------------------------------
 
@@ -246,6 +305,15 @@ def _fail_all(result: RunnerOutput, request_ids: Sequence[str], exc: Exception) 
     message = describe_error(exc)
     for request_id in request_ids:
         result.errors[request_id] = message
+
+
+def _fail_finished(
+    result: RunnerOutput, states: Sequence[StepRequestState], exc: Exception
+) -> None:
+    message = describe_error(exc)
+    for state in states:
+        result.errors[state.request_id] = message
+        result.progress.pop(state.request_id, None)
 
 
 def _check_images(images: object, request: PipelineRequest) -> str | None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from diffusion_runtime.errors import InvalidFieldError
-from diffusion_runtime.pipelines.diffusers.family import Encoded, Family
+from diffusion_runtime.pipelines.diffusers.family import Family
 from diffusion_runtime.pipelines.diffusers.scheduler_steps import seed_noise_sampler
+from diffusion_runtime.pipelines.diffusers.step_groups import StepGroup, plan_groups
+from diffusion_runtime.pipelines.diffusers.step_probe import steps_stack_exactly
 from diffusion_runtime.pipelines.diffusers.support import family_for
 from diffusion_runtime.pipelines.protocols import (
     PipelineRequest,
@@ -33,7 +35,11 @@ class DiffusersPipeline:
     once for the stacked rows of every running request, whatever their step
     index, and applies classifier-free guidance per request;
     ``step_scheduler`` advances one request; ``post_decode`` decodes it.
-    ``forward`` runs those same methods, so both modes give identical images.
+    ``step_batch`` (what the runner calls) does both halves of a step for the
+    whole batch, sharing one scheduler step among requests at the same step
+    where that is exact (see :mod:`.step_probe`), and ``post_decode_batch``
+    decodes the requests that finish together in one call. ``forward`` runs
+    those same methods, so both modes give identical images.
 
     ``rows_per_call=None`` calls the denoiser once per step on all rows: a
     request that runs alone gets exactly diffusers' output, but CPU GEMM
@@ -67,6 +73,10 @@ class DiffusersPipeline:
         self.rows_per_call = rows_per_call
         self._family: Family | None = family_cls(pipe.to(self.device), self.device)
         self._scheduler_template = copy.deepcopy(pipe.scheduler)
+        #: Whether requests at the same step share one scheduler step (see :meth:`step_batch`).
+        self.stacks_scheduler_steps = steps_stack_exactly(
+            self._scheduler_template, self.family.min_inference_steps
+        )
 
     @property
     def family(self) -> Family:
@@ -115,40 +125,49 @@ class DiffusersPipeline:
     @torch.no_grad()
     def denoise_step(self, states: Sequence[StepRequestState]) -> list[torch.Tensor]:
         """One denoiser call over all states' rows; each state's guided model output."""
-        family = self.family
-        inputs: list[torch.Tensor] = []
-        times: list[torch.Tensor] = []
-        for state in states:
-            encoded: Encoded = state.conditioning
-            t = state.timesteps[state.step_index]
-            x = state.latents
-            if encoded.guidance is not None:
-                x = torch.cat([x, x])
-            if family.scales_model_input:
-                x = state.scheduler.scale_model_input(x, t)
-            inputs.append(x)
-            times.append(torch.as_tensor(t, device=self.device).reshape(1).expand(len(x)))
-        output = self._run_denoiser(torch.cat(inputs), torch.cat(times), _stacked_rows(states))
-        parts = torch.split(output, [len(x) for x in inputs])
-        return [
-            family.combine(part, state.conditioning.guidance)
-            for state, part in zip(states, parts, strict=True)
-        ]
+        return self._denoise(plan_groups(states, stackable=False), {})
 
     @torch.no_grad()
     def step_scheduler(self, state: StepRequestState, model_output: torch.Tensor) -> None:
         """Advance one request by one step of its own scheduler."""
-        encoded: Encoded = state.conditioning
-        t = state.timesteps[state.step_index]
-        result = state.scheduler.step(model_output, t, state.latents, **encoded.step_kwargs)
-        state.latents = result.prev_sample
-        encoded.x0 = getattr(result, "pred_original_sample", None)
-        state.step_index += 1
+        _step_group(plan_groups([state], stackable=False)[0], model_output)
+
+    @torch.no_grad()
+    def step_batch(self, states: Sequence[StepRequestState]) -> None:
+        """One step for every state: one denoiser call, one scheduler step per group.
+
+        Requests at the same step of the same schedule share a scheduler step on
+        their stacked latents when the scheduler passed :func:`steps_stack_exactly`
+        (each alone otherwise); the groups and their latents are kept in the
+        ``InputBatch`` cache while the running set is unchanged.
+        """
+        cache: dict[str, Any] = getattr(states, "cache", {})
+        groups: list[StepGroup] | None = cache.get("groups")
+        if groups is None:
+            groups = cache["groups"] = plan_groups(states, self.stacks_scheduler_steps)
+        for group, model_output in zip(groups, self._denoise(groups, cache), strict=True):
+            _step_group(group, model_output)
 
     @torch.no_grad()
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
         """The finished images, ``(N, C, H, W)`` in ``[0, 1]``."""
+        if self.rows_per_call is not None and self.family.decodes_rows_alone:
+            return self.post_decode_batch([state])[0]
         return self.family.decode(state.latents, state.request.generator)
+
+    @torch.no_grad()
+    def post_decode_batch(self, states: Sequence[StepRequestState]) -> list[torch.Tensor]:
+        """Requests that finished together, decoded by one VAE call (chunks of ``rows_per_call``).
+
+        Pipelines whose decoding takes the request's generator (Stable Diffusion)
+        decode each request on its own.
+        """
+        family = self.family
+        if not family.decodes_rows_alone:
+            return [family.decode(state.latents, state.request.generator) for state in states]
+        latents = torch.cat([state.latents for state in states])
+        images = self._in_chunks(lambda rows: family.decode(rows, None), latents)
+        return list(torch.split(images, [len(state.latents) for state in states]))
 
     @torch.no_grad()
     def preview(self, state: StepRequestState) -> torch.Tensor | None:
@@ -160,36 +179,68 @@ class DiffusersPipeline:
         """Drop the pipeline."""
         self._family = None
 
+    def _denoise(self, groups: Sequence[StepGroup], cache: dict[str, Any]) -> list[torch.Tensor]:
+        """Each group's guided model output, from one denoiser call over all groups' rows."""
+        family = self.family
+        inputs: list[torch.Tensor] = []
+        times: list[torch.Tensor] = []
+        for group in groups:
+            lead = group.lead
+            t = lead.timesteps[lead.step_index]
+            x = group.latents
+            if group.guidance is not None:
+                x = torch.cat([x, x])
+            if family.scales_model_input:
+                x = lead.scheduler.scale_model_input(x, t)
+            inputs.append(x)
+            times.append(torch.as_tensor(t, device=self.device).reshape(1).expand(len(x)))
+        if "rows" not in cache:
+            cache["rows"] = _cat_or_none([group.rows for group in groups])
+        if len(groups) == 1:
+            output = self._run_denoiser(inputs[0], times[0], cache["rows"])
+            return [family.combine(output, groups[0].guidance)]
+        output = self._run_denoiser(torch.cat(inputs), torch.cat(times), cache["rows"])
+        parts = torch.split(output, [len(x) for x in inputs])
+        return [
+            family.combine(part, group.guidance) for group, part in zip(groups, parts, strict=True)
+        ]
+
     def _run_denoiser(
         self, x: torch.Tensor, t: torch.Tensor, rows: torch.Tensor | None
     ) -> torch.Tensor:
-        family, size = self.family, self.rows_per_call
+        family = self.family
+        if rows is None:
+            return self._in_chunks(lambda x_, t_: family.run_denoiser(x_, t_, None), x, t)
+        return self._in_chunks(family.run_denoiser, x, t, rows)
+
+    def _in_chunks(self, call: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+        """``call(*tensors)``; with ``rows_per_call``, concatenated over padded chunks of it."""
+        size = self.rows_per_call
         if size is None:
-            output: torch.Tensor = family.run_denoiser(x, t, rows)
-            return output
-        count = len(x)
-        x, t = _pad_rows(x, size), _pad_rows(t, size)
-        rows = None if rows is None else _pad_rows(rows, size)
+            return call(*tensors)
+        count = len(tensors[0])
+        padded = [_pad_rows(tensor, size) for tensor in tensors]
         chunks = [
-            family.run_denoiser(
-                x[i : i + size], t[i : i + size], None if rows is None else rows[i : i + size]
-            )
-            for i in range(0, len(x), size)
+            call(*(tensor[i : i + size] for tensor in padded))
+            for i in range(0, len(padded[0]), size)
         ]
         return torch.cat(chunks)[:count]
 
 
-def _stacked_rows(states: Sequence[StepRequestState]) -> torch.Tensor | None:
-    """All states' conditioning rows as one tensor, cached on an unchanged InputBatch."""
-    cache: dict[str, Any] | None = getattr(states, "cache", None)
-    if cache is not None and "rows" in cache:
-        cached: torch.Tensor | None = cache["rows"]
-        return cached
-    parts = [state.conditioning.rows for state in states]
-    rows = None if any(part is None for part in parts) else torch.cat(parts)
-    if cache is not None:
-        cache["rows"] = rows
-    return rows
+def _step_group(group: StepGroup, model_output: torch.Tensor) -> None:
+    """One step of the group's lead scheduler over the group's stacked latents."""
+    lead = group.lead
+    t = lead.timesteps[lead.step_index]
+    result = lead.scheduler.step(model_output, t, group.latents, **group.step_kwargs)
+    group.advance(result.prev_sample, getattr(result, "pred_original_sample", None))
+
+
+def _cat_or_none(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """``parts`` as one tensor, or ``None`` when any part is (an unconditional model)."""
+    if any(part is None for part in parts):
+        return None
+    present = [part for part in parts if part is not None]
+    return present[0] if len(present) == 1 else torch.cat(present)
 
 
 def _pad_rows(tensor: torch.Tensor, multiple: int) -> torch.Tensor:

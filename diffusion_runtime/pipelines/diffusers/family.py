@@ -54,6 +54,9 @@ class Family(abc.ABC):
     #: Whether the pipeline's loop applies ``init_noise_sigma`` to the initial noise. Those
     #: that do not (DDPM, DiT) give a sigma-scaled scheduler (Euler, Heun...) wrong inputs.
     applies_noise_sigma: ClassVar[bool] = True
+    #: Whether ``decode`` treats each row on its own and ignores the generator, so that
+    #: requests finishing together can be decoded by one call.
+    decodes_rows_alone: ClassVar[bool] = True
 
     @classmethod
     def refusal(cls, pipe: Any) -> str | None:

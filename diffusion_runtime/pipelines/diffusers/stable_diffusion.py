@@ -27,6 +27,7 @@ class StableDiffusionFamily(Family):
 
     pipeline_classes = ("StableDiffusionPipeline",)
     timesteps_on_device = True
+    decodes_rows_alone = False  # the VAE takes the request's generator; the safety checker runs
     accepts_eta = True
 
     @classmethod

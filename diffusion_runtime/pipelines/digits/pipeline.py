@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import attrs
 import torch
 from safetensors.torch import load_file
 
@@ -163,9 +165,46 @@ class DigitsPipeline:
         state.latents = state.scheduler.step(state.latents, model_output, state.step_index)
         state.step_index += 1
 
+    def step_batch(self, states: Sequence[StepRequestState]) -> None:
+        """One step for every state: one network pass, one DDIM step per group.
+
+        Requests at the same step of the same schedule with the same guidance
+        form a group whose latents stay stacked while the running set is
+        unchanged (in the ``InputBatch`` cache); the update is element-wise, so
+        each row gets exactly what :meth:`step_scheduler` would give it.
+        """
+        cache: dict[str, Any] = getattr(states, "cache", {})
+        groups: list[_StepGroup] | None = cache.get("groups")
+        if groups is None:
+            groups = cache["groups"] = _plan_groups(states, self.config.null_class)
+            cache["labels"] = torch.cat([group.labels for group in groups])
+        inputs = [torch.cat([g.latents, g.latents]) if g.guided else g.latents for g in groups]
+        times = [
+            torch.full((len(x),), g.lead.timesteps[g.lead.step_index], device=self.device)
+            for g, x in zip(groups, inputs, strict=True)
+        ]
+        eps = self.model.predict_noise_row_stable(
+            _cat(inputs), _cat(times), cache["labels"], self._rows_per_call
+        )
+        parts = [eps] if len(groups) == 1 else torch.split(eps, [len(x) for x in inputs])
+        for group, part in zip(groups, parts, strict=True):
+            if group.guided:
+                cond, uncond = part.chunk(2)
+                part = torch.lerp(uncond, cond, group.lead.request.params.guidance_scale)
+            lead = group.lead
+            group.advance(lead.scheduler.step(group.latents, part, lead.step_index))
+
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
         """The finished images, ``(N, 1, H, W)`` in ``[0, 1]``."""
         return self._to_images(state.latents, output_size(state.request.params))
+
+    def post_decode_batch(self, states: Sequence[StepRequestState]) -> list[torch.Tensor]:
+        """:meth:`post_decode` of requests that finished together (element-wise, so stackable)."""
+        sizes = {output_size(state.request.params) for state in states}
+        if len(sizes) > 1:
+            return [self.post_decode(state) for state in states]
+        images = self._to_images(torch.cat([state.latents for state in states]), sizes.pop())
+        return list(torch.split(images, [len(state.latents) for state in states]))
 
     def preview(self, state: StepRequestState) -> torch.Tensor | None:
         """The current clean-image estimate, or ``None`` before the first step."""
@@ -189,3 +228,54 @@ class DigitsPipeline:
 
 def _guided(state: StepRequestState) -> bool:
     return state.request.params.guidance_scale > 1.0
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@attrs.define(eq=False)
+class _StepGroup:
+    """Requests at the same step of the same schedule and guidance, with stacked latents."""
+
+    states: list[StepRequestState]
+    latents: torch.Tensor
+    labels: torch.Tensor
+    guided: bool
+
+    @property
+    def lead(self) -> StepRequestState:
+        return self.states[0]
+
+    def advance(self, latents: torch.Tensor) -> None:
+        """Record a step: the lead scheduler's result goes to every member."""
+        self.latents = latents
+        x0 = self.lead.scheduler.x0
+        if len(self.states) == 1:
+            self.lead.latents = latents
+            self.lead.step_index += 1
+            return
+        sizes = [len(state.latents) for state in self.states]
+        for state, part, x0_part in zip(
+            self.states, torch.split(latents, sizes), torch.split(x0, sizes), strict=True
+        ):
+            state.latents = part
+            state.scheduler.x0 = x0_part
+            state.step_index += 1
+
+
+def _plan_groups(states: Sequence[StepRequestState], null_class: int) -> list[_StepGroup]:
+    members: dict[tuple[int, int, float], list[StepRequestState]] = {}
+    for state in states:
+        params = state.request.params
+        key = (params.num_inference_steps, state.step_index, params.guidance_scale)
+        members.setdefault(key, []).append(state)
+    groups = []
+    for group in members.values():
+        labels = torch.cat([state.conditioning for state in group])
+        guided = _guided(group[0])
+        if guided:
+            labels = torch.cat([labels, torch.full_like(labels, null_class)])
+        latents = _cat([state.latents for state in group])
+        groups.append(_StepGroup(group, latents, labels, guided))
+    return groups

@@ -1,0 +1,112 @@
+"""Requests that share a scheduler step: same schedule, same step, stacked latents.
+
+A :class:`StepGroup` holds requests whose scheduler copies are interchangeable
+for the next step (same template, step count, step index and scalar state,
+same latent row shape, guidance and step arguments), with their latents in
+one tensor that lives as long as the running set is unchanged. The adapter
+calls the denoiser once for all groups and each group's lead scheduler once
+for all its rows; the other members' schedulers get the lead's scalar state
+(step counters), which is what their own step would have set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from diffusion_runtime.pipelines.diffusers.family import Encoded
+from diffusion_runtime.pipelines.diffusers.step_probe import scalar_state
+from diffusion_runtime.pipelines.protocols import StepRequestState
+
+
+@attrs.define(eq=False)
+class StepGroup:
+    """Requests stepped as one stack. ``rows`` are their conditioning rows for the stack
+    (under guidance every member's first half, then every member's second half, the
+    order diffusers itself stacks a batch in)."""
+
+    states: list[StepRequestState]
+    latents: torch.Tensor
+    rows: torch.Tensor | None
+    guidance: float | None
+    step_kwargs: dict[str, Any]
+
+    @property
+    def lead(self) -> StepRequestState:
+        return self.states[0]
+
+    def sizes(self) -> list[int]:
+        return [len(state.latents) for state in self.states]
+
+    def advance(self, latents: torch.Tensor, x0: torch.Tensor | None) -> None:
+        """Record a step: new latents (and clean estimate) for every member, counters synced."""
+        self.latents = latents
+        states = self.states
+        if len(states) == 1:
+            state = states[0]
+            state.latents = latents
+            state.conditioning.x0 = x0
+            state.step_index += 1
+            return
+        counters = scalar_state(self.lead.scheduler)
+        sizes = self.sizes()
+        x0_parts = [None] * len(states) if x0 is None else torch.split(x0, sizes)
+        for state, part, x0_part in zip(states, torch.split(latents, sizes), x0_parts, strict=True):
+            state.latents = part
+            state.conditioning.x0 = x0_part
+            state.step_index += 1
+            vars(state.scheduler).update(counters)
+
+
+def plan_groups(states: Sequence[StepRequestState], stackable: bool) -> list[StepGroup]:
+    """``states`` grouped for stacked steps (each alone unless ``stackable``), first seen first."""
+    members: dict[Hashable, list[StepRequestState]] = {}
+    for state in states:
+        members.setdefault(_group_key(state) if stackable else id(state), []).append(state)
+    return [_group(group) for group in members.values()]
+
+
+def _group_key(state: StepRequestState) -> Hashable:
+    encoded: Encoded = state.conditioning
+    kwargs = encoded.step_kwargs
+    if "generator" in kwargs and len(state.latents) > 1:
+        # A list of generators draws one row per generator; N rows from one generator
+        # are one draw of N rows, which only a step of its own repeats.
+        return id(state)
+    latents = state.latents
+    return (
+        state.request.params.num_inference_steps,
+        state.step_index,
+        tuple(latents.shape[1:]),
+        latents.dtype,
+        encoded.guidance,
+        tuple((name, value) for name, value in kwargs.items() if name != "generator"),
+        tuple(scalar_state(state.scheduler).items()),
+    )
+
+
+def _group(states: list[StepRequestState]) -> StepGroup:
+    lead: Encoded = states[0].conditioning
+    if len(states) == 1:
+        latents, rows, kwargs = states[0].latents, lead.rows, lead.step_kwargs
+    else:
+        latents = torch.cat([state.latents for state in states])
+        rows = _stack_rows([state.conditioning for state in states], lead.guidance is not None)
+        kwargs = dict(lead.step_kwargs)
+        if "generator" in kwargs:
+            kwargs["generator"] = [state.request.generator for state in states]
+    return StepGroup(states, latents, rows, lead.guidance, kwargs)
+
+
+def _stack_rows(encoded: list[Encoded], guided: bool) -> torch.Tensor | None:
+    parts = [item.rows for item in encoded]
+    if any(part is None for part in parts):
+        return None
+    rows = [part for part in parts if part is not None]
+    if not guided:
+        return torch.cat(rows)
+    halves = [part.chunk(2) for part in rows]
+    return torch.cat([half[0] for half in halves] + [half[1] for half in halves])
