@@ -202,3 +202,13 @@ def factory_of(pipeline: object) -> Callable[..., object]:
         return pipeline
 
     return factory
+
+
+@pytest.fixture(scope="module")
+def models() -> Any:
+    """The tiny diffusers models built from config (skips without diffusers)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    import diffusers_models
+
+    return diffusers_models

@@ -48,15 +48,6 @@ ROUNDING_ATOL = 2e-5
 
 
 @pytest.fixture(scope="module")
-def models() -> Any:
-    pytest.importorskip("diffusers")
-    pytest.importorskip("transformers")
-    import diffusers_models
-
-    return diffusers_models
-
-
-@pytest.fixture(scope="module")
 def pipes(models: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One tiny pipeline per family, built once (their weights are never changed)."""
     dit = models.dit_pipeline()

@@ -77,15 +77,6 @@ PROMPTS = st.sampled_from(["a cat", "dog", {"prompt": "x", "negative_prompt": "y
 
 
 @pytest.fixture(scope="module")
-def models() -> Any:
-    pytest.importorskip("diffusers")
-    pytest.importorskip("transformers")
-    import diffusers_models
-
-    return diffusers_models
-
-
-@pytest.fixture(scope="module")
 def stable_diffusion(models: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return models.stable_diffusion_pipeline(tmp_path_factory.mktemp("tokenizer"))
 
