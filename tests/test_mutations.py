@@ -30,7 +30,7 @@ from diffusion_runtime.testing.mutations import CATALOGUE, Mutation, hunt, passe
 from diffusion_runtime.testing.stage_front import StageFront
 from diffusion_runtime.testing.strategies import sampling_params
 
-MAX_EXAMPLES = 150
+MAX_EXAMPLES = 200
 #: Examples for the mp target, whose engines start worker processes (about 0.3 s each).
 MP_EXAMPLES = 40
 #: Examples for the stage target, whose examples each start a stage process (1-5 s):
@@ -82,6 +82,8 @@ FAST_SUBSET = {
     "user-preemption-readmits",
     "queue-time-until-the-end",
     "drive-idles-before-done",
+    "progress-outlives-its-request",
+    "delivery-ignores-the-fence",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -97,11 +99,18 @@ REQUIRED_REACH = {
         "path: close with active requests": 5,
         "path: death with other requests active": 5,
         "path: RPC timeout refused": 5,
-        "path: a request excused by a batch mate's forward failure": 3,
+        "path: a request excused by a batch mate's forward failure": 1,
         "path: delivered images re-checked after later waves": 100,
         "rule: fill, then urgent work": 50,
+        "rule: copies held in flight": 40,
+        "path: the core waited on a copy in flight": 15,
+        "path: a copy landed before the core waited on it": 1,
     },
-    "step": {"rule: abort a RUNNING request": 5, "path: progress output": 20},
+    "step": {
+        "rule: abort a RUNNING request": 5,
+        "path: progress output": 20,
+        "path: a request ended with its progress in flight": 2,
+    },
     "mp": {"path: RPC timed out": 1, "path: RPC answered": 3},
     "user-scheduler": {
         "path: preempted": 20,

@@ -13,7 +13,10 @@ failing request excuses its batch mates only where the pipeline fails a whole
 batch for it), every completed output equals the pipeline's own output for
 that request (called directly, outside the engine), outputs depend on the
 seed, and nothing is left held. A rule fills the running set and then admits
-urgent work, so any scheduler that can preempt does.
+urgent work, so any scheduler that can preempt does. A rule holds each wave's
+device copies in flight (:mod:`.copies_in_flight`: their tensors unreadable
+until the core waits on them or a rule lands them), and no output may be
+delivered while its copy is in flight.
 :class:`~diffusion_runtime.testing.reach.Reach` counts the paths reached
 (:mod:`.deadline_harness` runs on a virtual clock, with deadlines).
 """
@@ -52,6 +55,7 @@ from diffusion_runtime.fsm.trace import JsonlTraceWriter
 from diffusion_runtime.outputs import RequestOutput, images_digest
 from diffusion_runtime.sampling_params import MAX_PRIORITY, SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
+from diffusion_runtime.testing.copies_in_flight import CopiesInFlight
 from diffusion_runtime.testing.oracle import DirectOracle, FailureScope
 from diffusion_runtime.testing.probes import PROBE_PATH
 from diffusion_runtime.testing.reach import Reach
@@ -112,6 +116,9 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self.core = EngineCore(
             config, scheduler_cls=self.scheduler_cls, executor=executor, clock=self.core_clock()
         )
+        #: The executor's results, with copies held in flight while a rule says so.
+        self.copies = CopiesInFlight(self.core.executor.execute)
+        self.core.executor.execute = self.copies  # type: ignore[method-assign,assignment]
         self.auditor = Auditor()
         self.records: dict[str, RequestRecord] = {}
         self.past: list[RequestRecord] = []
@@ -205,6 +212,23 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         for _ in range(data.draw(st.integers(1, 3), label="steps")):
             if not self.dead:
                 self._step()
+
+    @precondition(lambda self: self._alive)
+    @rule(hold=st.booleans())
+    def hold_copies(self, hold: bool) -> None:
+        """From now on, each wave's copies stay in flight (its tensors unreadable)
+        until the core waits on them or a rule lands them, as on a device; or,
+        with ``hold`` false, they are complete when the wave returns again."""
+        self.reach.note(f"rule: copies {'held in flight' if hold else 'complete at once'}")
+        self.copies.hold = hold
+
+    @precondition(lambda self: self._alive and bool(self.copies.in_flight))
+    @rule(data=st.data())
+    def land_copies(self, data: st.DataObject) -> None:
+        """The oldest copies in flight land before the core waits on them."""
+        count = data.draw(st.integers(1, len(self.copies.in_flight)), label="copies landing")
+        self.copies.complete(count)
+        self.reach.note("path: a copy landed before the core waited on it")
 
     @precondition(lambda self: self._alive)
     @rule(rid=requests)
@@ -563,6 +587,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         active_before = sum(1 for rid in self.records if self._is_active(rid))
         preempted_before = any(s is RequestStatus.PREEMPTED for s in self.states.values())
         self._during_wave = during_wave
+        waited = self.copies.waited
         try:
             result = self.core.step()
         except EngineDeadError:
@@ -576,6 +601,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             return None
         finally:
             self._during_wave = None
+        if self.copies.waited > waited:
+            self.reach.note("path: the core waited on a copy in flight")
         self._take(result.outputs)
         assert not (result.executed and self._fatal_wave()), (
             "a device fault did not kill the executor (it must mark itself failed)"
@@ -608,6 +635,10 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         for output in outputs:
             record = self.records.get(output.request_id)
             assert record is not None, f"an output for an id never admitted: {output}"
+            assert not self.copies.carries(output.image_batch), (
+                f"{output.request_id!r}: an output delivered while its copy was in flight "
+                "(its images were not in host memory yet)"
+            )
             if not output.finished:
                 assert output.status is RequestStatus.RUNNING, output
                 assert record.final is None, f"a progress output after the final one: {output}"
@@ -638,6 +669,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 self.admissions[rid] = self.admissions.get(rid, 0) + 1
             elif event.dest in TERMINAL_STATES:
                 self.terminals[rid] = self.terminals.get(rid, 0) + 1
+                if event.wave_id is None and self.copies.carries_progress_of(rid):
+                    self.reach.note("path: a request ended with its progress in flight")
         elif isinstance(event, DeliveryEvent) and event.finished and event.digest:
             self._delivery_digests[event.request_id] = event.digest
         elif isinstance(event, WaveEvent):

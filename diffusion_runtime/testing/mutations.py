@@ -29,6 +29,7 @@ from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
 from diffusion_runtime.testing.deadline_mutations import DEADLINE_MUTATIONS
+from diffusion_runtime.testing.delivery_mutations import DELIVERY_MUTATIONS
 from diffusion_runtime.testing.gap_mutations import GAP_MUTATIONS
 from diffusion_runtime.testing.patching import replace_attribute as _replace
 from diffusion_runtime.testing.policy_mutations import POLICY_MUTATIONS
@@ -325,6 +326,7 @@ CATALOGUE: tuple[Mutation, ...] = _FIRST_CATALOGUE + tuple(
         *DEADLINE_MUTATIONS,
         *STAGE_MUTATIONS,
         *GAP_MUTATIONS,
+        *DELIVERY_MUTATIONS,
     )
 )
 

@@ -93,6 +93,10 @@ class SeededNoisePipeline:
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
         return torch.sigmoid(state.latents)
 
+    def preview(self, state: StepRequestState) -> torch.Tensor:
+        """The image so far (streamed every ``preview_interval`` steps)."""
+        return self.post_decode(state)
+
     def _pattern(self, prompt: Any, shape: tuple[int, int, int, int]) -> torch.Tensor:
         generator = torch.Generator(device=self.device).manual_seed(
             zlib.crc32(str(prompt).encode())
