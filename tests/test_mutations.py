@@ -117,6 +117,7 @@ REQUIRED_REACH = {
         "path: resumed": 10,
         "path: a preempted request completed as the oracle": 5,
         "path: abort of a preempted request": 3,
+        "path: resumed before a request preempted earlier": 30,
     },
     "preempt": {
         "path: preempted": 20,
@@ -126,6 +127,8 @@ REQUIRED_REACH = {
         "path: close with a preempted request": 3,
         "path: a preempted state in host memory": 150,
         "path: resumed from host memory": 5,
+        "rule: preempt in turns": 50,
+        "path: resumed before a request preempted earlier": 50,
     },
     "deadline-slo-drop": {
         "path: a RUNNING request reached its deadline": 10,

@@ -13,7 +13,9 @@ failing request excuses its batch mates only where the pipeline fails a whole
 batch for it), every completed output equals the pipeline's own output for
 that request (called directly, outside the engine), outputs depend on the
 seed, and nothing is left held. A rule fills the running set and then admits
-urgent work, so any scheduler that can preempt does. A rule holds each wave's
+urgent work, so any scheduler that can preempt does; another preempts requests
+of distinct prompts and seeds one turn at a time, so they resume out of the
+order they were preempted in (each must still equal its own oracle). A rule holds each wave's
 device copies in flight (:mod:`.copies_in_flight`: their tensors unreadable
 until the core waits on them or a rule lands them), and no output may be
 delivered while its copy is in flight.
@@ -140,6 +142,8 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         self._rpc_calls = 0
         self.seed_checks = 0
         self._next_id = 0
+        #: Ids now preempted, with the order they were preempted in.
+        self._preempted_order: dict[str, int] = {}
         #: States brought back from host memory so far (``preempted_offload_bytes``).
         self._restores = 0
         self.core.machine.subscribe(self._record)
@@ -286,6 +290,31 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             )
 
         self._add_a_wave_between_steps(data, outranking, urgent)
+
+    @precondition(lambda self: self._alive)
+    @rule(data=st.data())
+    def preempt_in_turns(self, data: st.DataObject) -> None:
+        """Requests of distinct prompts, seeds, step counts and priorities fill the
+        running set; then, turn by turn, one request that outranks every active one
+        arrives and a step runs, so a scheduler that preempts the worst-ranked
+        request preempts a different one at each turn, at a different step. They
+        resume best first: out of the order they were preempted in."""
+        params = data.draw(self.params)
+        active = sum(1 for rid in self.records if self._is_active(rid))
+        for rank in range(max(0, self.config.max_num_seqs - active)):
+            steps = data.draw(st.integers(2, 6), label="filler steps")
+            filler = attrs.evolve(params, priority=rank, num_inference_steps=steps, seed=None)
+            self._add(data, data.draw(self.prompts), filler, failing=False)
+        self.reach.note("rule: preempt in turns")
+        self._step()
+        for _ in range(data.draw(st.integers(1, self.config.max_num_seqs), label="turns")):
+            active_params = [self.records[r].params for r in self.records if self._is_active(r)]
+            if self.dead or not active_params:
+                return
+            best = min(p.priority for p in active_params)
+            urgent = attrs.evolve(params, priority=max(best - 1, -MAX_PRIORITY), seed=None)
+            self._add(data, data.draw(self.prompts), urgent, failing=False)
+            self._step()
 
     def _add_a_wave_between_steps(
         self,
@@ -690,13 +719,19 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 self.reach.note("path: a wave of several requests")
 
     def _note_preemption(self, event: LifecycleEvent) -> None:
+        rid = event.request_id
         if event.dest is RequestStatus.PREEMPTED:
             self.reach.note("path: preempted")
-            record = self.records.get(event.request_id)
+            self._preempted_order[rid] = len(self._preempted_order)
+            record = self.records.get(rid)
             if record is not None:
                 record.preempted = True
-        elif event.source is RequestStatus.PREEMPTED and event.dest is RequestStatus.RUNNING:
-            self.reach.note("path: resumed")
+        elif event.source is RequestStatus.PREEMPTED:
+            order = self._preempted_order.pop(rid)
+            if event.dest is RequestStatus.RUNNING:
+                self.reach.note("path: resumed")
+                if any(other < order for other in self._preempted_order.values()):
+                    self.reach.note("path: resumed before a request preempted earlier")
 
     def _fatal_wave(self) -> bool:
         """Whether the last wave held a request meant to kill the executor."""
