@@ -12,10 +12,14 @@ from typing import Any
 from hypothesis import HealthCheck, Phase
 from hypothesis import settings as Settings
 
-_HARNESS: dict[str, Any] = {
+_CI: dict[str, Any] = {
     "max_examples": 50,
     "stateful_step_count": 20,
     "deadline": None,  # an example builds engines, threads and processes
+    "suppress_health_check": [HealthCheck.too_slow],
+}
+_HARNESS: dict[str, Any] = {
+    **_CI,
     "suppress_health_check": list(HealthCheck),
     "derandomize": True,
     "phases": [Phase.generate, Phase.shrink],
@@ -28,18 +32,8 @@ _HARNESS: dict[str, Any] = {
 #: derandomized, shrunk, one failing example and its blob) and ``hunt`` (a
 #: mutation hunt: the same examples every time, no shrinking, no example database).
 PROFILES: dict[str, dict[str, Any]] = {
-    "ci": {
-        "max_examples": 50,
-        "stateful_step_count": 20,
-        "deadline": None,
-        "suppress_health_check": [HealthCheck.too_slow],
-    },
-    "thorough": {
-        "max_examples": 500,
-        "stateful_step_count": 60,
-        "deadline": None,
-        "suppress_health_check": [HealthCheck.too_slow],
-    },
+    "ci": _CI,
+    "thorough": {**_CI, "max_examples": 500, "stateful_step_count": 60},
     "harness": _HARNESS,
     "hunt": {**_HARNESS, "max_examples": 60, "phases": [Phase.generate], "database": None},
 }
