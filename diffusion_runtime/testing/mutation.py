@@ -20,6 +20,6 @@ class Mutation:
     bug: str
     #: The execution mode the harness runs in: ``"request"`` or ``"step"``.
     mode: str
-    #: What the harness drives, a name in :data:`~diffusion_runtime.testing.targets.TARGETS`.
+    #: What the harness drives: a key of :data:`~diffusion_runtime.testing.targets.HARNESSES`.
     target: str
     patch: Callable[[], Patch]
