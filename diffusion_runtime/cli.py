@@ -1,4 +1,4 @@
-"""The ``diffusion-runtime`` command line: generate, eval, audit, bench, serve."""
+"""The ``diffusion-runtime`` command line: generate, eval, audit, hunt, bench, serve."""
 
 from __future__ import annotations
 
@@ -272,6 +272,33 @@ def _audit_replay(args: argparse.Namespace) -> int:
     return 1 if outcome.reproduced else 0
 
 
+def cmd_hunt(args: argparse.Namespace) -> int:
+    """Hunt a catalogue mutation on its own harness target (no name: list them);
+    0 when caught, 1 when missed."""
+    try:
+        from diffusion_runtime.testing.mutations import CATALOGUE, hunt, named
+    except ImportError as exc:
+        raise CommandError(f"hunt needs the test extra (hypothesis): {exc}") from None
+    if args.name is None:
+        for listed in CATALOGUE:
+            print(f"{listed.name} ({listed.target}, {listed.mode}): {listed.bug}")
+        return 0
+    try:
+        mutation = named(args.name)
+    except KeyError as exc:
+        raise CommandError(f"{exc.args[0]} (diffusion-runtime hunt lists them)") from None
+    replay = Path(args.replay_dir) / f"{mutation.name}.replay.json"
+    replay.unlink(missing_ok=True)
+    caught = hunt(mutation, None, args.examples, args.steps, Path(args.replay_dir))
+    if caught is None:
+        print(f"{mutation.name}: missed in {args.examples} examples ({mutation.bug})")
+        return 1
+    print(f"{mutation.name}: caught after {caught} example(s) ({mutation.bug})")
+    if replay.exists():
+        print(f"rerun it with: diffusion-runtime audit --replay {replay}")
+    return 0
+
+
 def _report_audit(events: list[TraceEvent], perfetto: str | None, where: str) -> int:
     """Print each violation with its events and a summary (and write ``perfetto``);
     return the number of violations."""
@@ -378,8 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument(
         "--replay",
         metavar="FILE",
-        help="rerun the failing harness example of this replay file (the pytest plugin and "
-        "lifecycle_test_case write one); exit 1 when it fails again",
+        help="rerun the failing harness example of this replay file (the pytest plugin, "
+        "lifecycle_test_case and hunt write one); exit 1 when it fails again",
     )
     audit.add_argument(
         "--trace",
@@ -393,6 +420,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the trace as Chrome trace-event JSON (open it in ui.perfetto.dev)",
     )
     audit.set_defaults(func=cmd_audit)
+
+    hunt = command("hunt", "run the harness against a catalogue mutation; it must fail")
+    hunt.add_argument("name", nargs="?", help="the mutation (none: list the catalogue)")
+    hunt.add_argument("--examples", type=int, default=500, help="examples at most")
+    hunt.add_argument("--steps", type=int, default=20, help="rules per example")
+    hunt.add_argument(
+        "--replay-dir", default=".", help="where the failing example's replay file goes"
+    )
+    hunt.set_defaults(func=cmd_hunt)
 
     bench = command("bench", "run a benchmark and print JSON")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="the benchmark")

@@ -10,28 +10,16 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 
 from diffusion_runtime import DiffusionEngine, EngineConfig
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.scheduler import BaseScheduler
 from diffusion_runtime.testing.leaks import child_pids  # noqa: F401  (tests import it from here)
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline
+from diffusion_runtime.testing.profiles import register_profiles
 
-settings.register_profile(
-    "ci",
-    max_examples=50,
-    stateful_step_count=20,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "thorough",
-    max_examples=500,
-    stateful_step_count=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+register_profiles()
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 ENGINE_THREAD = "diffusion-engine-loop"

@@ -8,27 +8,22 @@ layer); ``pytest -m slow`` runs all of it.
 from __future__ import annotations
 
 import time
-from typing import Any
 
-import hypothesis.strategies as st
 import pytest
 from conftest import engine_threads
 from hypothesis.stateful import RuleBasedStateMachine
 
-from diffusion_runtime import EngineConfig
-from diffusion_runtime.testing.core_harness import CoreLifecycleMachine, core_lifecycle_machine
-from diffusion_runtime.testing.deadline_harness import (
-    TICK_S,
-    DeadlineCoreLifecycleMachine,
-    PatientEarliestDeadline,
-    tick_deadlines,
-)
-from diffusion_runtime.testing.gap_mutations import PriorityPreemptingScheduler
-from diffusion_runtime.testing.harness import EngineLifecycleMachine, lifecycle_machine
-from diffusion_runtime.testing.lockstep import lockstep_machine
 from diffusion_runtime.testing.mutations import CATALOGUE, Mutation, hunt, passes
-from diffusion_runtime.testing.stage_front import StageFront
-from diffusion_runtime.testing.strategies import sampling_params
+from diffusion_runtime.testing.targets import (
+    HARNESSES,
+    core_harness,
+    deadline_harness,
+    harness_for,
+    patient_harness,
+    preempt_harness,
+    stage_harness,
+    user_scheduler_harness,
+)
 
 MAX_EXAMPLES = 200
 #: Examples for the mp target, whose engines start worker processes (about 0.3 s each).
@@ -178,195 +173,10 @@ REQUIRED_REACH = {
 }
 
 
-def params(
-    mode: str,
-    priorities: tuple[int, int] = (0, 0),
-    deadline_s: st.SearchStrategy[float | None] | None = None,
-) -> st.SearchStrategy:  # type: ignore[type-arg]
-    # Step mode needs requests that stay running long enough to be aborted mid-flight.
-    steps = (1, 3) if mode == "request" else (2, 6)
-    return sampling_params(
-        steps=steps,
-        outputs=(1, 2),
-        guidance=[1.0, 2.0],
-        priorities=priorities,
-        deadlines=deadline_s,
-    )
-
-
-def config(
-    mode: str,
-    backend: str = "uni",
-    policy: str | type = "fifo",
-    max_num_seqs: int = 2,  # small, so waves fill up and overfill when a policy is wrong
-    **more: Any,
-) -> EngineConfig:
-    return EngineConfig(
-        pipeline="testing-faults",
-        device="cpu",
-        max_num_seqs=max_num_seqs,
-        execution_mode=mode,
-        executor_backend=backend,
-        streaming_output=mode == "step",  # streaming selects step mode
-        preview_interval=1,
-        scheduling_policy=policy,
-        **more,
-    )
-
-
-def core_harness(mode: str, backend: str = "uni") -> type[CoreLifecycleMachine]:
-    return core_lifecycle_machine(
-        lambda: config(mode, backend),
-        prompts=st.sampled_from(["cat", "dog", 7]),
-        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
-        fatal_prompts=st.just("device-fault") if backend == "uni" else None,
-        params=params(mode),
-        # On mp a microsecond is too short for any reply: the late one must be dropped.
-        rpc_timeouts=st.sampled_from([1e-6, None, 5.0]),
-    )
-
-
-def preempt_harness() -> type[CoreLifecycleMachine]:
-    """The step-mode core under the preemptive priority policy, priorities drawn per
-    request: a better-ranked arrival preempts a running request, which resumes later.
-    The offload budget holds about two preempted states, so some resume from host
-    memory and some from the device."""
-    return core_lifecycle_machine(
-        lambda: config("step", policy="priority", preempted_offload_bytes=16 * 2**10),
-        prompts=st.sampled_from(["cat", "dog", 7]),
-        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
-        fatal_prompts=st.just("device-fault"),
-        params=params("step", priorities=(0, 3)),
-        rpc_timeouts=st.sampled_from([1e-6, None, 5.0]),
-    )
-
-
-def user_scheduler_harness() -> type[CoreLifecycleMachine]:
-    """The default core harness (no priority drawn) with a user's scheduler that
-    preempts on priority: its own rules must make it preempt."""
-    return core_lifecycle_machine(
-        lambda: config("step"),
-        prompts=st.sampled_from(["cat", "dog", 7]),
-        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
-        params=params("step"),
-        scheduler_cls=PriorityPreemptingScheduler,
-    )
-
-
-def deadline_harness(
-    policy: str | type = "slo", miss: str = "drop", mode: str = "step", max_num_seqs: int = 2
-) -> type[CoreLifecycleMachine]:
-    """The core on a virtual clock under a deadline-aware policy: deadlines and
-    priorities drawn per request; aging after 24 ticks, so it is reached."""
-    return core_lifecycle_machine(
-        lambda: config(
-            mode,
-            policy=policy,
-            max_num_seqs=max_num_seqs,
-            deadline_miss=miss,
-            scheduling_aging_s=24 * TICK_S,
-        ),
-        prompts=st.sampled_from(["cat", "dog", 7]),
-        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
-        fatal_prompts=st.just("device-fault"),
-        params=params(mode, priorities=(0, 3), deadline_s=tick_deadlines()),
-        rpc_timeouts=st.sampled_from([1e-6, None, 5.0]),
-        base=DeadlineCoreLifecycleMachine,
-    )
-
-
-def patient_harness() -> type[CoreLifecycleMachine]:
-    """The deadline harness under a policy that reorders but never preempts, with
-    room for three: a running set with places free while an aged request of
-    another key waits (the aging bound's form without preemption)."""
-    return deadline_harness(PatientEarliestDeadline, "run_late", max_num_seqs=3)
-
-
-def front_harness(mode: str) -> type[EngineLifecycleMachine]:
-    machine = lifecycle_machine(
-        lambda: front_config(mode),
-        prompts=st.sampled_from(["cat", "dog", 7]),
-        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
-        params=params(mode),
-    )
-    machine.read_timeout_s = 3.0  # a hung stream fails the example instead of the suite
-    return machine
-
-
-def front_config(mode: str) -> EngineConfig:
-    return EngineConfig(
-        pipeline="testing-faults", device="cpu", max_num_seqs=3, execution_mode=mode
-    )
-
-
-def stage_harness(mode: str) -> type[EngineLifecycleMachine]:
-    return lifecycle_machine(
-        lambda: stage_config(mode),
-        prompts=st.sampled_from(["cat", "dog", 7]),
-        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
-        params=params(mode),
-        read_timeout_s=3.0,  # a hung stream fails the example instead of the suite
-        front=StageFront,
-    )
-
-
-def stage_config(mode: str) -> EngineConfig:
-    return EngineConfig(
-        pipeline="testing-faults",
-        device="cpu",
-        max_num_seqs=3,
-        execution_mode=mode,
-        warmup=False,  # a stage starts per example
-        intra_op_threads=1,
-    )
-
-
-def lockstep_harness(mode: str) -> type[EngineLifecycleMachine]:
-    return lockstep_machine(
-        lambda: front_config(mode),
-        prompts=st.sampled_from(["cat", "dog", 7]),
-        failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
-        params=params(mode),
-        read_timeout_s=3.0,  # a hung stream fails the example instead of the suite
-    )
-
-
-def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
-    if target == "front":
-        return front_harness(mode)
-    if target == "lockstep":
-        return lockstep_harness(mode)
-    if target == "stage":
-        return stage_harness(mode)
-    if target == "preempt":
-        return preempt_harness()
-    if target == "user-scheduler":
-        return user_scheduler_harness()
-    deadline_targets = {
-        "deadline-drop": lambda: deadline_harness("slo", "drop"),
-        "deadline-run_late": lambda: deadline_harness("slo", "run_late"),
-        "deadline-patient": patient_harness,
-    }
-    if target in deadline_targets:
-        return deadline_targets[target]()
-    return core_harness(mode, "mp" if target == "mp" else "uni")
-
-
 def test_catalogue_is_large_and_named_uniquely() -> None:
     assert len(CATALOGUE) >= 30
     assert len({m.name for m in CATALOGUE}) == len(CATALOGUE)
-    assert {m.target for m in CATALOGUE} == {
-        "core",
-        "mp",
-        "front",
-        "lockstep",
-        "preempt",
-        "deadline-drop",
-        "deadline-run_late",
-        "deadline-patient",
-        "stage",
-        "user-scheduler",
-    }
+    assert {m.target for m in CATALOGUE} == set(HARNESSES)
     assert {m.name for m in CATALOGUE} >= FAST_SUBSET
 
 
@@ -447,7 +257,7 @@ def catch(mutation: Mutation) -> None:
         "deadline-patient": PATIENT_EXAMPLES,
     }.get(mutation.target, CATCH_EXAMPLES)
     start = time.monotonic()
-    caught = hunt(mutation, harness_for(mutation.target, mutation.mode), max_examples=examples)
+    caught = hunt(mutation, max_examples=examples)
     elapsed = time.monotonic() - start
     assert caught is not None, f"the harness missed: {mutation.bug}"
     print(f"{mutation.name}: caught after {caught} example(s) in {elapsed:.1f} s")

@@ -26,8 +26,10 @@ from diffusion_runtime import EngineConfig
 from diffusion_runtime.cli import main
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+from diffusion_runtime.testing.mutations import CATALOGUE, named
 from diffusion_runtime.testing.pytest_plugin import LifecycleHarness
 from diffusion_runtime.testing.replay import ChoiceRecorder
+from diffusion_runtime.testing.replay_file import ReplayFile
 
 OVERFULL_MODULE = "test_overfull_replay"
 
@@ -194,6 +196,57 @@ def test_a_failure_whose_config_factory_has_no_name_reports_why_it_has_no_replay
     assert "has no importable name; define it at module level" in report, report
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "dropped-consumer-not-aborted",  # front, step mode
+        "stage-exit-skips-core-shutdown",  # stage, request mode: a bug in the stage process
+    ],
+)
+def test_a_hunted_mutation_replays_on_its_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """``diffusion-runtime hunt NAME`` catches the mutation on its own target and
+    writes the failing example's replay file; ``audit --replay`` reruns it on the
+    same target, the mutation applied: the same failure. Without the mutation
+    the example passes."""
+    code = main(["hunt", name, "--examples", "10", "--replay-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    replay = tmp_path / f"{name}.replay.json"
+    assert code == 0 and f"rerun it with: diffusion-runtime audit --replay {replay}" in out, out
+    mutation = named(name)
+    recipe = {"type": "target", "target": mutation.target, "mode": mutation.mode, "mutation": name}
+    assert json.loads(replay.read_text())["recipe"] == recipe
+    code, out, err = audit(capsys, "--replay", str(replay))
+    assert code == 1, out + err
+    [failure] = re.findall(r"^failure: (.*)$", out, re.M)
+    # The front makes request ids of a random prefix and a count.
+    assert same_but_ids(failure, ReplayFile.read(replay).failure), out
+    if mutation.target == "front":
+        recipe["mutation"] = None
+        replay.write_text(json.dumps({**json.loads(replay.read_text()), "recipe": recipe}))
+        code, out, err = audit(capsys, "--replay", str(replay))
+        assert code == 0 and "did not reproduce: " in out, out + err
+
+
+def test_hunt_lists_the_catalogue_and_refuses_an_unknown_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["hunt"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == len(CATALOGUE)
+    assert "stage-exit-skips-core-shutdown (stage, request): " in "\n".join(listed)
+    assert main(["hunt", "no-such-bug"]) == 2
+    assert "error: no mutation named 'no-such-bug'" in capsys.readouterr().err
+
+
+def same_but_ids(one: str, other: str) -> bool:
+    def masked(failure: str) -> str:
+        return re.sub(r"'[0-9a-f]{8}-(\d+)'", r"'ID-\1'", failure)
+
+    return masked(one) == masked(other)
+
+
 def replay_file(tmp_path: Path, **changes: Any) -> Path:
     fields: dict[str, Any] = {
         "format": "diffusion-runtime-replay/1",
@@ -238,6 +291,14 @@ def replay_file(tmp_path: Path, **changes: Any) -> Path:
                 }
             },
             "recipe.options: got an unexpected keyword argument 'colour'",
+        ),
+        (
+            {"recipe": {"type": "target", "target": "nowhere", "mode": "step"}},
+            "recipe.target: 'nowhere' is not a harness target",
+        ),
+        (
+            {"recipe": {"type": "target", "target": "core", "mode": "step", "mutation": "x"}},
+            "recipe.mutation: no mutation named 'x' in the catalogue",
         ),
     ],
 )

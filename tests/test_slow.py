@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from test_mutations import core_harness, front_harness, harness_for
 
 from diffusion_runtime.testing.mutations import CATALOGUE, hunt, passes
+from diffusion_runtime.testing.targets import core_harness, front_harness
 
 pytestmark = pytest.mark.slow
 
@@ -20,6 +20,6 @@ def test_every_mutation_is_caught_with_longer_sequences() -> None:
     missed = [
         m.name
         for m in CATALOGUE
-        if m.target != "mp" and hunt(m, harness_for(m.target, m.mode), 200, steps=40) is None
+        if m.target != "mp" and hunt(m, max_examples=200, steps=40) is None
     ]
     assert missed == []

@@ -18,8 +18,11 @@
   threads, stage socket directories);
 - :mod:`~diffusion_runtime.testing.strategies`: hypothesis strategies;
 - :mod:`~diffusion_runtime.testing.mutations`: broken runtimes the harnesses must
-  catch (with :mod:`.policy_mutations`, :mod:`.preemption_mutations`,
-  :mod:`.deadline_mutations`, :mod:`.stage_mutations` and :mod:`.gap_mutations`);
+  catch, each a :class:`~diffusion_runtime.testing.mutation.Mutation` (with
+  :mod:`.policy_mutations`, :mod:`.preemption_mutations`, :mod:`.deadline_mutations`,
+  :mod:`.stage_mutations` and :mod:`.gap_mutations`), hunted on the harness target
+  it names (:mod:`~diffusion_runtime.testing.targets` resolves them);
+- :mod:`~diffusion_runtime.testing.profiles`: the hypothesis settings of every run;
 - :mod:`~diffusion_runtime.testing.pipelines`: small deterministic pipelines
   with fault injection (no hypothesis needed);
 - :mod:`~diffusion_runtime.testing.replay`: failing examples as replay files

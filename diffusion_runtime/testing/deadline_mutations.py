@@ -16,8 +16,8 @@ from diffusion_runtime.fsm import DEADLINE_REASON, LifecycleEvent, RequestStatus
 from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 from diffusion_runtime.scheduler.policies import SloAwarePolicy
 from diffusion_runtime.scheduler.request import Request
+from diffusion_runtime.testing.mutation import Mutation, Patch
 from diffusion_runtime.testing.patching import replace_attribute as _replace
-from diffusion_runtime.testing.policy_mutations import MutationSpec, Patch
 
 
 def drop_hits_running_requests() -> Patch:
@@ -121,22 +121,27 @@ def running_set_closed_while_any_request_has_aged() -> Patch:
     return _replace(BaseScheduler, "plan", make)
 
 
-#: ``(name, bug, mode, target, patch)``, run by the deadline harness; the target
-#: names the configuration: ``"deadline-drop"`` or ``"deadline-run_late"`` (``slo``
-#: with that ``deadline_miss``) or ``"deadline-patient"``.
-DEADLINE_MUTATIONS: tuple[MutationSpec, ...] = (
-    ("deadline-drops-running", "the deadline drop also aborts running requests", "step",
-     "deadline-drop", drop_hits_running_requests),
-    ("deadline-boundary-late", "a request due exactly at the step's time is not dropped",
-     "step", "deadline-drop", drop_only_strictly_after_the_deadline),
-    ("preempted-deadline-forgotten", "a request preempted after its deadline passed is "
-     "never dropped", "step", "deadline-drop", preempted_deadline_not_rewatched),
-    ("slo-late-first", "the slo policy ranks late requests ahead of on-time ones", "step",
-     "deadline-run_late", slo_serves_late_requests_first),
-    ("aged-checked-at-head", "a running set that does not preempt stops taking requests for "
-     "an aged one of another key only when it ranks first", "step", "deadline-patient",
-     aged_request_checked_only_at_the_head),
-    ("aged-closes-running-set", "a running set that does not preempt takes no request while "
-     "any request has aged, even one of its own key", "step", "deadline-patient",
-     running_set_closed_while_any_request_has_aged),
+#: Run by the deadline harness; the target names the configuration: ``"deadline-drop"``
+#: or ``"deadline-run_late"`` (``slo`` with that ``deadline_miss``) or ``"deadline-patient"``.
+DEADLINE_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(name="deadline-drops-running", mode="step", target="deadline-drop",
+             bug="the deadline drop also aborts running requests",
+             patch=drop_hits_running_requests),
+    Mutation(name="deadline-boundary-late", mode="step", target="deadline-drop",
+             bug="a request due exactly at the step's time is not dropped",
+             patch=drop_only_strictly_after_the_deadline),
+    Mutation(name="preempted-deadline-forgotten", mode="step", target="deadline-drop",
+             bug="a request preempted after its deadline passed is never dropped",
+             patch=preempted_deadline_not_rewatched),
+    Mutation(name="slo-late-first", mode="step", target="deadline-run_late",
+             bug="the slo policy ranks late requests ahead of on-time ones",
+             patch=slo_serves_late_requests_first),
+    Mutation(name="aged-checked-at-head", mode="step", target="deadline-patient",
+             bug="a running set that does not preempt stops taking requests for an aged one of "
+                 "another key only when it ranks first",
+             patch=aged_request_checked_only_at_the_head),
+    Mutation(name="aged-closes-running-set", mode="step", target="deadline-patient",
+             bug="a running set that does not preempt takes no request while any request has "
+                 "aged, even one of its own key",
+             patch=running_set_closed_while_any_request_has_aged),
 )  # fmt: skip

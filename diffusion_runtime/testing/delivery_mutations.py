@@ -16,8 +16,8 @@ from diffusion_runtime.delivery_queue import DeliveryQueue
 from diffusion_runtime.fsm import LifecycleEvent
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.scheduler.request import Request
+from diffusion_runtime.testing.mutation import Mutation, Patch
 from diffusion_runtime.testing.patching import replace_attribute as _replace
-from diffusion_runtime.testing.policy_mutations import MutationSpec, Patch
 
 
 def progress_outlives_its_request() -> Patch:
@@ -74,33 +74,17 @@ def unfinished_ignores_copies_in_flight() -> Patch:
     return _replace(EngineCore, "has_unfinished", make)
 
 
-DELIVERY_MUTATIONS: tuple[MutationSpec, ...] = (
-    (
-        "progress-outlives-its-request",
-        "progress of a request still being copied is delivered after its end",
-        "step",
-        "core",
-        progress_outlives_its_request,
-    ),
-    (
-        "delivery-ignores-the-fence",
-        "outputs leave before their copies land",
-        "request",
-        "core",
-        delivery_ignores_the_fence,
-    ),
-    (
-        "shutdown-drops-copies",
-        "shutdown does not wait for copies in flight (their outputs are lost)",
-        "request",
-        "core",
-        shutdown_drops_copies_in_flight,
-    ),
-    (
-        "unfinished-ignores-copies",
-        "a core with outputs still being copied says it has nothing left to do",
-        "request",
-        "core",
-        unfinished_ignores_copies_in_flight,
-    ),
-)
+DELIVERY_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(name="progress-outlives-its-request", mode="step", target="core",
+             bug="progress of a request still being copied is delivered after its end",
+             patch=progress_outlives_its_request),
+    Mutation(name="delivery-ignores-the-fence", mode="request", target="core",
+             bug="outputs leave before their copies land",
+             patch=delivery_ignores_the_fence),
+    Mutation(name="shutdown-drops-copies", mode="request", target="core",
+             bug="shutdown does not wait for copies in flight (their outputs are lost)",
+             patch=shutdown_drops_copies_in_flight),
+    Mutation(name="unfinished-ignores-copies", mode="request", target="core",
+             bug="a core with outputs still being copied says it has nothing left to do",
+             patch=unfinished_ignores_copies_in_flight),
+)  # fmt: skip

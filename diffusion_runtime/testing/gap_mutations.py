@@ -26,8 +26,8 @@ from diffusion_runtime.runner.host_copy import HostCopier
 from diffusion_runtime.runner.model_runner import ModelRunner
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.step_scheduler import StepScheduler
+from diffusion_runtime.testing.mutation import Mutation, Patch
 from diffusion_runtime.testing.patching import replace_attribute as _replace
-from diffusion_runtime.testing.policy_mutations import MutationSpec, Patch
 
 
 class PriorityPreemptingScheduler(StepScheduler):
@@ -170,19 +170,24 @@ def drive_idles_before_checking_done() -> Patch:
     return _replace(DiffusionEngine, "_drive", make)
 
 
-#: ``(name, bug, mode, target, patch)``.
-GAP_MUTATIONS: tuple[MutationSpec, ...] = (
-    ("missing-result-fails-wave", "a request's missing result fails its whole wave",
-     "request", "core", missing_result_fails_the_wave),
-    ("own-step-failure-fails-step", "a request's own failed step fails every request of it",
-     "step", "core", own_step_failure_fails_the_step),
-    ("staging-buffer-reused", "delivered images share a staging buffer the next wave reuses",
-     "request", "core", staging_buffer_reused),
-    ("user-preemption-readmits", "a user's scheduler schedules a request that is running "
-     "again when it preempts others", "step", "user-scheduler",
-     user_scheduler_readmits_the_running),
-    ("queue-time-until-the-end", "the queue time is measured from arrival to the end",
-     "request", "core", queue_time_until_the_end),
-    ("drive-idles-before-done", "the driving loop idles after a step before it checks "
-     "whether its caller is done", "step", "lockstep", drive_idles_before_checking_done),
+#: The holes a user found in the harness.
+GAP_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(name="missing-result-fails-wave", mode="request", target="core",
+             bug="a request's missing result fails its whole wave",
+             patch=missing_result_fails_the_wave),
+    Mutation(name="own-step-failure-fails-step", mode="step", target="core",
+             bug="a request's own failed step fails every request of it",
+             patch=own_step_failure_fails_the_step),
+    Mutation(name="staging-buffer-reused", mode="request", target="core",
+             bug="delivered images share a staging buffer the next wave reuses",
+             patch=staging_buffer_reused),
+    Mutation(name="user-preemption-readmits", mode="step", target="user-scheduler",
+             bug="a user's scheduler schedules a request that is running again when it preempts "
+                 "others", patch=user_scheduler_readmits_the_running),
+    Mutation(name="queue-time-until-the-end", mode="request", target="core",
+             bug="the queue time is measured from arrival to the end",
+             patch=queue_time_until_the_end),
+    Mutation(name="drive-idles-before-done", mode="step", target="lockstep",
+             bug="the driving loop idles after a step before it checks whether its caller is done",
+             patch=drive_idles_before_checking_done),
 )  # fmt: skip

@@ -3,19 +3,18 @@
 Each mutation patches one method of the real runtime the way a real bug would
 look, for as long as its context manager is open. The mutation test runs the
 lifecycle harness against each and requires it to fail, and against the
-unpatched runtime and requires it to pass.
+unpatched runtime and requires it to pass. Each names the harness target that
+catches it (:mod:`.targets` resolves it), so :func:`hunt` runs any of them by name.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
-from hypothesis import HealthCheck, Phase
-from hypothesis import settings as Settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
@@ -31,34 +30,19 @@ from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
 from diffusion_runtime.testing.deadline_mutations import DEADLINE_MUTATIONS
 from diffusion_runtime.testing.delivery_mutations import DELIVERY_MUTATIONS
 from diffusion_runtime.testing.gap_mutations import GAP_MUTATIONS
+from diffusion_runtime.testing.mutation import Mutation as Mutation
+from diffusion_runtime.testing.mutation import Patch
 from diffusion_runtime.testing.patching import replace_attribute as _replace
 from diffusion_runtime.testing.policy_mutations import POLICY_MUTATIONS
 from diffusion_runtime.testing.preemption_mutations import PREEMPTION_MUTATIONS
+from diffusion_runtime.testing.profiles import harness_settings
+from diffusion_runtime.testing.replay import ChoiceRecorder, record_failure
+from diffusion_runtime.testing.replay_file import NotReplayable, TargetRecipe
 from diffusion_runtime.testing.stage_mutations import STAGE_MUTATIONS
+from diffusion_runtime.testing.targets import harness_for
 
 
-@attrs.frozen
-class Mutation:
-    """A named bug: ``patch()`` applies it while its context is open."""
-
-    name: str
-    bug: str
-    mode: str
-    patch: Callable[[], contextlib.AbstractContextManager[None]]
-    #: What the harness drives: ``"core"`` (an EngineCore, uni), ``"mp"`` (an
-    #: EngineCore over the mp executor), ``"preempt"`` (an EngineCore under a
-    #: preemptive policy), ``"deadline-drop"``/``"deadline-run_late"`` (an
-    #: EngineCore on a virtual clock under the ``slo`` policy with that
-    #: ``deadline_miss``), ``"deadline-patient"`` (the same under
-    #: ``PatientEarliestDeadline``, which does not preempt), ``"front"`` (a
-    #: DiffusionEngine), ``"lockstep"`` (a DiffusionEngine the harness drives
-    #: itself, racing its loop), ``"stage"`` (a StageClient and its stage process)
-    #: or ``"user-scheduler"`` (an EngineCore with a user's preempting
-    #: ``scheduler_cls``, under the default core harness).
-    target: str = "core"
-
-
-def results_by_position() -> contextlib.AbstractContextManager[None]:
+def results_by_position() -> Patch:
     def make(original: Any) -> Any:
         def forward(self: ModelRunner, batch: list[PipelineRequest], result: RunnerOutput) -> None:
             original(self, batch, result)
@@ -72,7 +56,7 @@ def results_by_position() -> contextlib.AbstractContextManager[None]:
     return _replace(ModelRunner, "_forward", make)
 
 
-def request_finished_twice() -> contextlib.AbstractContextManager[None]:
+def request_finished_twice() -> Patch:
     def make(original: Any) -> Any:
         def update(
             self: RequestScheduler, output: SchedulerOutput, result: RunnerOutput
@@ -93,7 +77,7 @@ def request_finished_twice() -> contextlib.AbstractContextManager[None]:
     return _replace(RequestScheduler, "update_from_output", make)
 
 
-def runner_state_kept_after_abort() -> contextlib.AbstractContextManager[None]:
+def runner_state_kept_after_abort() -> Patch:
     def make(original: Any) -> Any:
         def release(self: ModelRunner, request_ids: Any) -> list[str]:
             done = [rid for rid in request_ids if rid in self.states and self.states[rid].is_done]
@@ -105,7 +89,7 @@ def runner_state_kept_after_abort() -> contextlib.AbstractContextManager[None]:
     return _replace(ModelRunner, "_release", make)
 
 
-def executor_runs_an_unsent_id() -> contextlib.AbstractContextManager[None]:
+def executor_runs_an_unsent_id() -> Patch:
     def make(original: Any) -> Any:
         def execute(self: UniProcExecutor, output: SchedulerOutput) -> RunnerOutput:
             seen: list[NewRequestData] = self.__dict__.setdefault("_sent", [])
@@ -121,7 +105,7 @@ def executor_runs_an_unsent_id() -> contextlib.AbstractContextManager[None]:
     return _replace(UniProcExecutor, "execute", make)
 
 
-def stream_not_woken_on_close() -> contextlib.AbstractContextManager[None]:
+def stream_not_woken_on_close() -> Patch:
     def make(original: Any) -> Any:
         def end_callers(self: DiffusionEngine, error: Any) -> None:
             with self._changed:  # streams are never told the engine ended
@@ -132,7 +116,7 @@ def stream_not_woken_on_close() -> contextlib.AbstractContextManager[None]:
     return _replace(DiffusionEngine, "_end_callers", make)
 
 
-def generator_shared_across_requests() -> contextlib.AbstractContextManager[None]:
+def generator_shared_across_requests() -> Patch:
     def make(original: Any) -> Any:
         def pipeline_request(self: ModelRunner, data: NewRequestData) -> PipelineRequest:
             request: PipelineRequest = original(self, data)
@@ -148,7 +132,7 @@ def generator_shared_across_requests() -> contextlib.AbstractContextManager[None
     return _replace(ModelRunner, "_pipeline_request", make)
 
 
-def cleanup_skipped_on_error() -> contextlib.AbstractContextManager[None]:
+def cleanup_skipped_on_error() -> Patch:
     def make(original: Any) -> Any:
         def on_terminal(self: BaseScheduler, request: Request, event: LifecycleEvent) -> None:
             if event.dest is RequestStatus.FINISHED_ERROR and event.source is RequestStatus.RUNNING:
@@ -161,7 +145,7 @@ def cleanup_skipped_on_error() -> contextlib.AbstractContextManager[None]:
     return _replace(BaseScheduler, "_on_terminal", make)
 
 
-def error_result_completes() -> contextlib.AbstractContextManager[None]:
+def error_result_completes() -> Patch:
     def make(original: Any) -> Any:
         def update(
             self: RequestScheduler, output: SchedulerOutput, result: RunnerOutput
@@ -177,7 +161,7 @@ def error_result_completes() -> contextlib.AbstractContextManager[None]:
     return _replace(RequestScheduler, "update_from_output", make)
 
 
-def wave_reordered() -> contextlib.AbstractContextManager[None]:
+def wave_reordered() -> Patch:
     def make(original: Any) -> Any:
         def forward_wave(self: ModelRunner, output: SchedulerOutput, result: RunnerOutput) -> None:
             reordered = attrs.evolve(  # "largest requests first packs better"
@@ -195,7 +179,7 @@ def wave_reordered() -> contextlib.AbstractContextManager[None]:
     return _replace(ModelRunner, "_forward_wave", make)
 
 
-def wave_truncated() -> contextlib.AbstractContextManager[None]:
+def wave_truncated() -> Patch:
     def make(original: Any) -> Any:
         def execute(self: UniProcExecutor, output: SchedulerOutput) -> RunnerOutput:
             sent = output.scheduled_new_reqs
@@ -209,7 +193,7 @@ def wave_truncated() -> contextlib.AbstractContextManager[None]:
     return _replace(UniProcExecutor, "execute", make)
 
 
-def finished_ids_lost() -> contextlib.AbstractContextManager[None]:
+def finished_ids_lost() -> Patch:
     def make(original: Any) -> Any:
         def on_terminal(self: BaseScheduler, request: Request, event: LifecycleEvent) -> None:
             original(self, request, event)
@@ -221,7 +205,7 @@ def finished_ids_lost() -> contextlib.AbstractContextManager[None]:
     return _replace(BaseScheduler, "_on_terminal", make)
 
 
-def aborted_waiting_request_stays_queued() -> contextlib.AbstractContextManager[None]:
+def aborted_waiting_request_stays_queued() -> Patch:
     def make(original: Any) -> Any:
         def on_terminal(self: BaseScheduler, request: Request, event: LifecycleEvent) -> None:
             if event.source is RequestStatus.WAITING:  # "only running requests need cleanup"
@@ -234,7 +218,7 @@ def aborted_waiting_request_stays_queued() -> contextlib.AbstractContextManager[
     return _replace(BaseScheduler, "_on_terminal", make)
 
 
-def error_output_never_delivered() -> contextlib.AbstractContextManager[None]:
+def error_output_never_delivered() -> Patch:
     def make(original: Any) -> Any:
         def step(self: EngineCore) -> StepResult:
             result: StepResult = original(self)
@@ -248,123 +232,95 @@ def error_output_never_delivered() -> contextlib.AbstractContextManager[None]:
 
 
 _FIRST_CATALOGUE: tuple[Mutation, ...] = (
-    Mutation(
-        "results-by-position",
-        "results mapped to requests by batch position",
-        "request",
-        results_by_position,
-    ),
-    Mutation(
-        "finished-twice",
-        "a failed request is failed a second time",
-        "request",
-        request_finished_twice,
-    ),
-    Mutation(
-        "state-kept-after-abort",
-        "runner step state kept after an abort",
-        "step",
-        runner_state_kept_after_abort,
-    ),
-    Mutation(
-        "unsent-id-executed",
-        "the executor runs an id the scheduler did not send",
-        "request",
-        executor_runs_an_unsent_id,
-    ),
-    Mutation(
-        "stream-not-woken",
-        "open streams are never woken on close",
-        "request",
-        stream_not_woken_on_close,
-        target="front",
-    ),
-    Mutation(
-        "shared-generator",
-        "requests with one seed share one generator",
-        "request",
-        generator_shared_across_requests,
-    ),
-    Mutation(
-        "cleanup-skipped-on-error",
-        "scheduler cleanup skipped on the error path",
-        "request",
-        cleanup_skipped_on_error,
-    ),
-    Mutation(
-        "error-result-completes",
-        "an error result counts as success",
-        "request",
-        error_result_completes,
-    ),
-    Mutation("wave-reordered", "the runner reorders a wave", "request", wave_reordered),
-    Mutation(
-        "wave-truncated", "the executor silently drops part of a wave", "request", wave_truncated
-    ),
-    Mutation("finished-ids-lost", "aborted ids never reach the workers", "step", finished_ids_lost),
-    Mutation(
-        "aborted-waiting-stays-queued",
-        "an aborted waiting request stays queued",
-        "request",
-        aborted_waiting_request_stays_queued,
-    ),
-    Mutation(
-        "error-never-delivered",
-        "a failed request's output is never delivered",
-        "request",
-        error_output_never_delivered,
-    ),
-)
+    Mutation(name="results-by-position", mode="request", target="core",
+             bug="results mapped to requests by batch position", patch=results_by_position),
+    Mutation(name="finished-twice", mode="request", target="core",
+             bug="a failed request is failed a second time", patch=request_finished_twice),
+    Mutation(name="state-kept-after-abort", mode="step", target="core",
+             bug="runner step state kept after an abort", patch=runner_state_kept_after_abort),
+    Mutation(name="unsent-id-executed", mode="request", target="core",
+             bug="the executor runs an id the scheduler did not send",
+             patch=executor_runs_an_unsent_id),
+    Mutation(name="stream-not-woken", mode="request", target="front",
+             bug="open streams are never woken on close", patch=stream_not_woken_on_close),
+    Mutation(name="shared-generator", mode="request", target="core",
+             bug="requests with one seed share one generator",
+             patch=generator_shared_across_requests),
+    Mutation(name="cleanup-skipped-on-error", mode="request", target="core",
+             bug="scheduler cleanup skipped on the error path", patch=cleanup_skipped_on_error),
+    Mutation(name="error-result-completes", mode="request", target="core",
+             bug="an error result counts as success", patch=error_result_completes),
+    Mutation(name="wave-reordered", mode="request", target="core", bug="the runner reorders a wave",
+             patch=wave_reordered),
+    Mutation(name="wave-truncated", mode="request", target="core",
+             bug="the executor silently drops part of a wave", patch=wave_truncated),
+    Mutation(name="finished-ids-lost", mode="step", target="core",
+             bug="aborted ids never reach the workers", patch=finished_ids_lost),
+    Mutation(name="aborted-waiting-stays-queued", mode="request", target="core",
+             bug="an aborted waiting request stays queued",
+             patch=aborted_waiting_request_stays_queued),
+    Mutation(name="error-never-delivered", mode="request", target="core",
+             bug="a failed request's output is never delivered",
+             patch=error_output_never_delivered),
+)  # fmt: skip
 
 
 #: Every mutation the harness must catch.
-CATALOGUE: tuple[Mutation, ...] = _FIRST_CATALOGUE + tuple(
-    Mutation(name, bug, mode, patch, target)
-    for name, bug, mode, target, patch in (
-        *POLICY_MUTATIONS,
-        *PREEMPTION_MUTATIONS,
-        *DEADLINE_MUTATIONS,
-        *STAGE_MUTATIONS,
-        *GAP_MUTATIONS,
-        *DELIVERY_MUTATIONS,
-    )
+CATALOGUE: tuple[Mutation, ...] = (
+    *_FIRST_CATALOGUE,
+    *POLICY_MUTATIONS,
+    *PREEMPTION_MUTATIONS,
+    *DEADLINE_MUTATIONS,
+    *STAGE_MUTATIONS,
+    *GAP_MUTATIONS,
+    *DELIVERY_MUTATIONS,
 )
 
 
-def hunt_settings(max_examples: int = 60, steps: int = 20) -> Settings:
-    """What :func:`hunt` runs a harness with: derandomized, no shrinking, no
-    example database, so the same examples run every time."""
-    return Settings(
-        max_examples=max_examples,
-        stateful_step_count=steps,
-        phases=[Phase.generate],
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-        report_multiple_bugs=False,
-    )
+def named(name: str) -> Mutation:
+    """The mutation of :data:`CATALOGUE` called ``name``."""
+    for mutation in CATALOGUE:
+        if mutation.name == name:
+            return mutation
+    raise KeyError(f"no mutation named {name!r} in the catalogue")
 
 
 def passes(machine: type[RuleBasedStateMachine], max_examples: int = 60, steps: int = 20) -> None:
     """Run the harness ``machine`` against the real runtime as :func:`hunt` would;
     a failing example is raised with hypothesis's report (its rules and draws, and
     the ``@reproduce_failure`` blob that replays it alone)."""
-    settings = Settings(hunt_settings(max_examples, steps), print_blob=True)
+    settings = harness_settings("hunt", max_examples=max_examples, stateful_step_count=steps)
     run_state_machine_as_test(machine, settings=settings)
 
 
 def hunt(
     mutation: Mutation | None,
-    machine: type[RuleBasedStateMachine],
+    machine: type[RuleBasedStateMachine] | None = None,
     max_examples: int = 60,
     steps: int = 20,
+    replay_dir: Path | None = None,
 ) -> int | None:
-    """Run the harness ``machine`` with ``mutation`` applied (``None``: the real runtime).
+    """Run the harness ``machine`` (by default the mutation's target's, in its
+    mode) with ``mutation`` applied (``None``: the real runtime).
 
     Returns how many examples it took to fail, or ``None`` if every example passed.
-    Deterministic (derandomized, no shrinking, no example database).
+    Deterministic (derandomized, no shrinking, no example database). With
+    ``replay_dir``, the failing example of a catalogue mutation hunted on its own
+    target's harness is written there as ``NAME.replay.json``, which
+    :func:`~diffusion_runtime.testing.replay.rerun` (``diffusion-runtime audit
+    --replay``) reruns with the mutation applied.
     """
+    own_target = machine is None
+    if machine is None:
+        if mutation is None:
+            raise ValueError("hunt needs a harness machine, or a mutation to name its target")
+        machine = harness_for(mutation.target, mutation.mode)
+
+    def recipe() -> TargetRecipe:
+        if mutation is None or not own_target or mutation not in CATALOGUE:
+            raise NotReplayable("only a catalogue mutation hunted on its own target replays")
+        return TargetRecipe(mutation.target, mutation.mode, mutation.name)
+
     examples = 0
     original_init = machine.__init__
 
@@ -373,13 +329,17 @@ def hunt(
         examples += 1
         original_init(self)
 
-    settings = hunt_settings(max_examples, steps)
+    settings, recorder = ChoiceRecorder.around(
+        harness_settings("hunt", max_examples=max_examples, stateful_step_count=steps)
+    )
     patch = mutation.patch() if mutation is not None else contextlib.nullcontext()
     machine.__init__ = counting_init  # type: ignore[method-assign]
     try:
         with patch:
             run_state_machine_as_test(machine, settings=settings)
-    except Exception:
+    except Exception as exc:
+        if replay_dir is not None:
+            record_failure(exc, replay_dir, recipe, settings, recorder)
         return examples
     finally:
         machine.__init__ = original_init  # type: ignore[method-assign]

@@ -29,10 +29,8 @@ from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
 from diffusion_runtime.scheduler.step_scheduler import StepScheduler
+from diffusion_runtime.testing.mutation import Mutation, Patch
 from diffusion_runtime.testing.patching import replace_attribute as _replace
-
-Patch = contextlib.AbstractContextManager[None]
-
 
 # -- scheduling policy ---------------------------------------------------------------------
 
@@ -344,48 +342,53 @@ def dropped_consumer_not_aborted() -> Patch:
     return _replace(DiffusionEngine, "_abort_for", make)
 
 
-MutationSpec = tuple[str, str, str, str, Callable[[], Patch]]
-
-#: ``(name, bug, mode, target, patch)``; the catalogue in :mod:`.mutations` builds them.
-POLICY_MUTATIONS: tuple[MutationSpec, ...] = (
-    ("wave-over-capacity", "a wave ignores the requests already running", "step", "core",
-     wave_ignores_running_requests),
-    ("request-waves-mix-steps", "request-mode waves batch different step counts", "request",
-     "core", request_waves_mix_step_counts),
-    ("wave-ignores-key", "a wave takes incompatible requests", "step", "core",
-     wave_skips_incompatible_requests),
-    ("duplicate-id-admitted", "the core queues an id a running request uses", "step", "core",
-     duplicate_id_admitted),
-    ("running-abort-ignored", "a running step-mode request ignores its abort", "step", "core",
-     running_abort_ignored),
-    ("completes-a-step-early", "a request completes one step early", "step", "core",
-     completes_one_step_early),
-    ("first-step-twice", "the runner takes a new request's first step twice", "step", "core",
-     first_step_taken_twice),
-    ("one-step-short", "the runner runs one denoising step fewer than asked", "request",
-     "core", one_step_short),
-    ("seed-dropped", "the runner hands every request the same seed", "request", "core",
-     seed_dropped_on_the_way),
-    ("failed-step-state-kept", "runner state of a failed step-mode request is kept", "step",
-     "core", failed_step_state_kept),
-    ("preview-marked-final", "the last preview goes out as a final output", "step", "core",
-     preview_marked_final),
-    ("waiting-abort-output-lost", "an aborted waiting request gets no final output",
-     "request", "core", waiting_abort_output_lost),
-    ("late-aborts-never-applied", "aborts during a wave are not applied", "request", "core",
-     late_aborts_never_applied),
-    ("late-aborts-after-results", "aborts during a wave lose to its results", "request",
-     "core", late_aborts_after_results),
-    ("inbox-apart-from-pause", "a paused step admits what is queued, then reads the pause "
-     "to decide whether to schedule", "request", "lockstep", inbox_taken_apart_from_the_pause),
-    ("close-skips-waiting", "close leaves waiting requests open", "request", "core",
-     close_skips_waiting_requests),
-    ("death-spares-waiting", "death leaves waiting requests open", "request", "core",
-     death_spares_waiting_requests),
-    ("mp-stale-reply-taken", "an mp reply to a timed-out RPC answers the next call",
-     "step", "mp", stale_reply_taken),
-    ("mp-release-not-sent", "mp skips outputs that only release finished ids", "step",
-     "mp", release_only_output_not_sent),
-    ("dropped-consumer-not-aborted", "a consumer that stops reading does not abort",
-     "step", "front", dropped_consumer_not_aborted),
+#: Scheduling policy, the runner's step loop, the core's outputs, the mp executor and the front.
+POLICY_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(name="wave-over-capacity", mode="step", target="core",
+             bug="a wave ignores the requests already running",
+             patch=wave_ignores_running_requests),
+    Mutation(name="request-waves-mix-steps", mode="request", target="core",
+             bug="request-mode waves batch different step counts",
+             patch=request_waves_mix_step_counts),
+    Mutation(name="wave-ignores-key", mode="step", target="core",
+             bug="a wave takes incompatible requests", patch=wave_skips_incompatible_requests),
+    Mutation(name="duplicate-id-admitted", mode="step", target="core",
+             bug="the core queues an id a running request uses", patch=duplicate_id_admitted),
+    Mutation(name="running-abort-ignored", mode="step", target="core",
+             bug="a running step-mode request ignores its abort", patch=running_abort_ignored),
+    Mutation(name="completes-a-step-early", mode="step", target="core",
+             bug="a request completes one step early", patch=completes_one_step_early),
+    Mutation(name="first-step-twice", mode="step", target="core",
+             bug="the runner takes a new request's first step twice", patch=first_step_taken_twice),
+    Mutation(name="one-step-short", mode="request", target="core",
+             bug="the runner runs one denoising step fewer than asked", patch=one_step_short),
+    Mutation(name="seed-dropped", mode="request", target="core",
+             bug="the runner hands every request the same seed", patch=seed_dropped_on_the_way),
+    Mutation(name="failed-step-state-kept", mode="step", target="core",
+             bug="runner state of a failed step-mode request is kept",
+             patch=failed_step_state_kept),
+    Mutation(name="preview-marked-final", mode="step", target="core",
+             bug="the last preview goes out as a final output", patch=preview_marked_final),
+    Mutation(name="waiting-abort-output-lost", mode="request", target="core",
+             bug="an aborted waiting request gets no final output",
+             patch=waiting_abort_output_lost),
+    Mutation(name="late-aborts-never-applied", mode="request", target="core",
+             bug="aborts during a wave are not applied", patch=late_aborts_never_applied),
+    Mutation(name="late-aborts-after-results", mode="request", target="core",
+             bug="aborts during a wave lose to its results", patch=late_aborts_after_results),
+    Mutation(name="inbox-apart-from-pause", mode="request", target="lockstep",
+             bug="a paused step admits what is queued, then reads the pause to decide whether to "
+                 "schedule", patch=inbox_taken_apart_from_the_pause),
+    Mutation(name="close-skips-waiting", mode="request", target="core",
+             bug="close leaves waiting requests open", patch=close_skips_waiting_requests),
+    Mutation(name="death-spares-waiting", mode="request", target="core",
+             bug="death leaves waiting requests open", patch=death_spares_waiting_requests),
+    Mutation(name="mp-stale-reply-taken", mode="step", target="mp",
+             bug="an mp reply to a timed-out RPC answers the next call", patch=stale_reply_taken),
+    Mutation(name="mp-release-not-sent", mode="step", target="mp",
+             bug="mp skips outputs that only release finished ids",
+             patch=release_only_output_not_sent),
+    Mutation(name="dropped-consumer-not-aborted", mode="step", target="front",
+             bug="a consumer that stops reading does not abort",
+             patch=dropped_consumer_not_aborted),
 )  # fmt: skip

@@ -18,8 +18,8 @@ from diffusion_runtime.runner.state_offload import StateOffloader
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.step_scheduler import StepScheduler
+from diffusion_runtime.testing.mutation import Mutation, Patch
 from diffusion_runtime.testing.patching import replace_attribute as _replace
-from diffusion_runtime.testing.policy_mutations import MutationSpec, Patch
 
 
 def resume_resends_the_payload() -> Patch:
@@ -128,20 +128,27 @@ def restore_keeps_the_offload_entry() -> Patch:
     return _replace(StateOffloader, "_restore", make)
 
 
-#: ``(name, bug, mode, target, patch)``, run by the preemptive core harness.
-PREEMPTION_MUTATIONS: tuple[MutationSpec, ...] = (
-    ("resume-starts-over", "a resumed request is sent as a new one and starts over", "step",
-     "preempt", resume_resends_the_payload),
-    ("preemption-frees-state", "preemption frees the runner state but keeps the step index",
-     "step", "preempt", preemption_frees_runner_state),
-    ("resume-from-noise", "a resumed request's latents are rebuilt from noise mid-denoise",
-     "step", "preempt", offloaded_latents_rebuilt_from_noise),
-    ("preempted-in-wave", "a request preempted for a wave still runs in it", "step",
-     "preempt", preempted_runs_in_the_wave),
-    ("preempted-end-leaks-state", "a request ending while preempted keeps its runner state",
-     "step", "preempt", preempted_end_not_released),
-    ("offload-outlives-release", "an offloaded state's host copy outlives its request",
-     "step", "preempt", offload_outlives_release),
-    ("restore-keeps-offload-entry", "a restored state still counts as in host memory",
-     "step", "preempt", restore_keeps_the_offload_entry),
+#: Run by the preemptive core harness.
+PREEMPTION_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(name="resume-starts-over", mode="step", target="preempt",
+             bug="a resumed request is sent as a new one and starts over",
+             patch=resume_resends_the_payload),
+    Mutation(name="preemption-frees-state", mode="step", target="preempt",
+             bug="preemption frees the runner state but keeps the step index",
+             patch=preemption_frees_runner_state),
+    Mutation(name="resume-from-noise", mode="step", target="preempt",
+             bug="a resumed request's latents are rebuilt from noise mid-denoise",
+             patch=offloaded_latents_rebuilt_from_noise),
+    Mutation(name="preempted-in-wave", mode="step", target="preempt",
+             bug="a request preempted for a wave still runs in it",
+             patch=preempted_runs_in_the_wave),
+    Mutation(name="preempted-end-leaks-state", mode="step", target="preempt",
+             bug="a request ending while preempted keeps its runner state",
+             patch=preempted_end_not_released),
+    Mutation(name="offload-outlives-release", mode="step", target="preempt",
+             bug="an offloaded state's host copy outlives its request",
+             patch=offload_outlives_release),
+    Mutation(name="restore-keeps-offload-entry", mode="step", target="preempt",
+             bug="a restored state still counts as in host memory",
+             patch=restore_keeps_the_offload_entry),
 )  # fmt: skip

@@ -94,11 +94,10 @@ def lifecycle_harness(tmp_path: Path, request: pytest.FixtureRequest) -> Lifecyc
         steps: int = 20,
         **options: Any,
     ) -> None:
-        from hypothesis import HealthCheck, Phase
-        from hypothesis import settings as Settings
         from hypothesis.stateful import run_state_machine_as_test
 
         from diffusion_runtime.testing.core_harness import core_lifecycle_machine
+        from diffusion_runtime.testing.profiles import harness_settings
         from diffusion_runtime.testing.replay import (
             ChoiceRecorder,
             recipe_for_harness,
@@ -108,16 +107,7 @@ def lifecycle_harness(tmp_path: Path, request: pytest.FixtureRequest) -> Lifecyc
         trace = tmp_path / "failing-example.jsonl"
         machine = core_lifecycle_machine(config, trace_path=trace, **options)
         settings, recorder = ChoiceRecorder.around(
-            Settings(
-                max_examples=max_examples,
-                stateful_step_count=steps,
-                deadline=None,
-                derandomize=True,
-                phases=[Phase.generate, Phase.shrink],
-                suppress_health_check=list(HealthCheck),
-                print_blob=True,  # the replay file holds the blob
-                report_multiple_bugs=False,  # one failing example, one replay file
-            )
+            harness_settings(max_examples=max_examples, stateful_step_count=steps)
         )
         try:
             run_state_machine_as_test(machine, settings=settings)

@@ -4,13 +4,15 @@ A failure report gets hypothesis's reproduction blob from the note that
 ``settings(print_blob=True)`` adds to the failure (or, for a flaky verdict,
 which has no such note, from the failing choices a :class:`ChoiceRecorder`
 saw hypothesis save), and writes it in a :class:`ReplayFile` with what
-rebuilds the harness. :func:`rerun` rebuilds the
-harness and runs that one example through ``@reproduce_failure``: no
-generation, no shrinking, the same choices against the engine as it is now.
+rebuilds the harness. :func:`rerun` rebuilds the harness (any target of
+:mod:`.targets`, the stage included, with the mutation the example ran under)
+and runs that one example through ``@reproduce_failure``: no generation, no
+shrinking, the same choices against the engine as it is now.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import sys
@@ -22,27 +24,31 @@ from typing import Any
 
 import attrs
 import hypothesis
-from hypothesis import HealthCheck, reproduce_failure
+from hypothesis import reproduce_failure
 from hypothesis import settings as Settings
 from hypothesis.core import decode_failure, encode_failure
 from hypothesis.database import ExampleDatabase, choices_from_bytes
 from hypothesis.errors import DidNotReproduce, InvalidArgument
 from hypothesis.reporting import with_reporter
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.testing.core_harness import CoreLifecycleMachine, core_lifecycle_machine
+from diffusion_runtime.testing.mutation import Patch
+from diffusion_runtime.testing.profiles import harness_settings
 from diffusion_runtime.testing.reach import Reach
 from diffusion_runtime.testing.replay_file import (
     FORMAT,
     HarnessRecipe,
     LifecycleTestCaseRecipe,
     NotReplayable,
+    Recipe,
     Reference,
     ReplayFile,
     ReplayFileError,
     ReplaySettings,
     Scalar,
+    TargetRecipe,
 )
 
 #: The decorator hypothesis prints with ``print_blob=True``: version and blob.
@@ -134,14 +140,15 @@ def recipe_for_test_case(test_case: type[unittest.TestCase]) -> LifecycleTestCas
 def record_failure(
     failure: BaseException,
     replay_dir: Path,
-    recipe: Callable[[], HarnessRecipe | LifecycleTestCaseRecipe],
+    recipe: Callable[[], Recipe],
     settings: Settings,
     recorder: ChoiceRecorder,
     seed: int | None = None,
 ) -> str:
     """Write the replay file of the example behind ``failure`` (raised with
     ``print_blob=True``, and ``recorder`` in its settings' database) in
-    ``replay_dir``, named after the harness's config factory or test case, and
+    ``replay_dir``, named after the harness's config factory, test case or
+    mutation (or target), and
     return the lines a failure report adds: how to rerun it, or why no file
     could be written. Never raises."""
     reproduction = _take_reproduction(failure)
@@ -163,7 +170,11 @@ def record_failure(
         recipe=harness,
         failure=_describe(failure),
     )
-    path = replay_dir / f"{harness.target.target.replace(':', '.')}.replay.json"
+    if isinstance(harness, TargetRecipe):
+        name = harness.mutation or harness.target
+    else:
+        name = harness.target.target.replace(":", ".")
+    path = replay_dir / f"{name}.replay.json"
     try:
         replay_dir.mkdir(parents=True, exist_ok=True)
         replay.write(path)
@@ -193,22 +204,23 @@ def rerun(replay: ReplayFile, trace_path: Path) -> ReplayOutcome:
         decode_failure(replay.blob.encode())
     except InvalidArgument as exc:
         raise ReplayFileError(f"blob: {exc}") from None
-    machine = _rebuild(replay.recipe)
-    replayed = type(machine.__name__, (machine,), {"trace_path": trace_path, "reach": Reach()})
+    machine, patch = _rebuild(replay.recipe)
+    extra: dict[str, Any] = {"reach": Reach()}
+    if issubclass(machine, CoreLifecycleMachine):  # a front harness audits its own events
+        extra["trace_path"] = trace_path
+    replayed = type(machine.__name__, (machine,), extra)
     reproduce_failure(replay.hypothesis_version, replay.blob.encode())(replayed)
     if replay.settings.seed is not None:
         hypothesis.seed(replay.settings.seed)(replayed)
-    settings = Settings(
+    settings = harness_settings(
         stateful_step_count=replay.settings.stateful_step_count,
         derandomize=replay.settings.derandomize,
-        deadline=None,
         database=None,
         print_blob=False,
-        suppress_health_check=list(HealthCheck),
     )
     steps: list[str] = []
     try:
-        with with_reporter(lambda line: steps.append(str(line))):
+        with patch, with_reporter(lambda line: steps.append(str(line))):
             run_state_machine_as_test(replayed, settings=settings)
     except DidNotReproduce as exc:
         return ReplayOutcome(False, steps, str(exc))
@@ -252,7 +264,10 @@ def replayable_test_case(
     return ReplayableTestCase
 
 
-def _rebuild(recipe: HarnessRecipe | LifecycleTestCaseRecipe) -> type[CoreLifecycleMachine]:
+def _rebuild(recipe: Recipe) -> tuple[type[RuleBasedStateMachine], Patch]:
+    """The harness ``recipe`` names, and the patch it runs under."""
+    if isinstance(recipe, TargetRecipe):
+        return _rebuild_target(recipe)
     if isinstance(recipe, LifecycleTestCaseRecipe):
         test_case = recipe.target.resolve("recipe.target")
         machine = getattr(test_case, "state_machine", None)
@@ -261,7 +276,7 @@ def _rebuild(recipe: HarnessRecipe | LifecycleTestCaseRecipe) -> type[CoreLifecy
                 f"recipe.target: {recipe.target.target!r} is not a core harness test "
                 "case made by lifecycle_test_case"
             )
-        return machine
+        return machine, contextlib.nullcontext()
     config = recipe.target.resolve("recipe.target")
     options: dict[str, Any] = {
         name: value.resolve(f"recipe.options.{name}") if isinstance(value, Reference) else value
@@ -271,7 +286,25 @@ def _rebuild(recipe: HarnessRecipe | LifecycleTestCaseRecipe) -> type[CoreLifecy
         inspect.signature(core_lifecycle_machine).bind(config, **options)
     except TypeError as exc:
         raise ReplayFileError(f"recipe.options: {exc}") from None
-    return core_lifecycle_machine(config, **options)
+    return core_lifecycle_machine(config, **options), contextlib.nullcontext()
+
+
+def _rebuild_target(recipe: TargetRecipe) -> tuple[type[RuleBasedStateMachine], Patch]:
+    # Imported here: the targets build harnesses, whose module imports this one.
+    from diffusion_runtime.testing.mutations import named
+    from diffusion_runtime.testing.targets import HARNESSES, harness_for
+
+    if recipe.target not in HARNESSES:
+        raise ReplayFileError(
+            f"recipe.target: {recipe.target!r} is not a harness target ({sorted(HARNESSES)})"
+        )
+    if recipe.mutation is None:
+        return harness_for(recipe.target, recipe.mode), contextlib.nullcontext()
+    try:
+        mutation = named(recipe.mutation)
+    except KeyError as exc:
+        raise ReplayFileError(f"recipe.mutation: {exc.args[0]}") from None
+    return harness_for(recipe.target, recipe.mode), mutation.patch()
 
 
 def _take_reproduction(failure: BaseException) -> tuple[str, str] | None:

@@ -4,10 +4,11 @@ failing harness example against the real engine.
 It holds hypothesis's own reproduction blob (the failing example's choices, as
 ``@reproduce_failure`` takes them), the hypothesis version that wrote it (a
 blob replays only on that version), the settings that shape an example, and
-how to rebuild the harness: either a config factory and the harness options,
-each an importable ``module:qualname`` (with the module's file, for a test
-module that is not on the path), or a ``lifecycle_test_case`` class in a test
-module. A JSON file, read and checked field by field with msgspec.
+how to rebuild the harness: a config factory and the harness options, each an
+importable ``module:qualname`` (with the module's file, for a test module that
+is not on the path); a ``lifecycle_test_case`` class in a test module; or a
+harness target of :mod:`.targets` by name, with the catalogue mutation the
+example ran under. A JSON file, read and checked field by field with msgspec.
 """
 
 from __future__ import annotations
@@ -107,6 +108,19 @@ class LifecycleTestCaseRecipe(
     target: Reference
 
 
+class TargetRecipe(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="target"):
+    """A harness target of :mod:`.targets` by name, in ``mode``, with the catalogue
+    mutation ``mutation`` applied (``None``: the real runtime)."""
+
+    target: str
+    mode: str
+    mutation: str | None = None
+
+
+#: How to rebuild the harness of a replay.
+Recipe = HarnessRecipe | LifecycleTestCaseRecipe | TargetRecipe
+
+
 class ReplayFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One failing example, ready to rerun."""
 
@@ -114,7 +128,7 @@ class ReplayFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hypothesis_version: str
     blob: str
     settings: ReplaySettings
-    recipe: HarnessRecipe | LifecycleTestCaseRecipe
+    recipe: Recipe
     #: The failure as first reported, to compare with the rerun's.
     failure: str
 

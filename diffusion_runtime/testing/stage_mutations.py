@@ -18,9 +18,9 @@ from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.stage.client import StageClient
 from diffusion_runtime.stage.proc import FINAL_LINGER_MS, StageProc, StageSpec, run_stage
+from diffusion_runtime.testing.mutation import Mutation, Patch
 from diffusion_runtime.testing.patching import replace_attribute as _replace
 from diffusion_runtime.testing.patching import spawn_stages_running
-from diffusion_runtime.testing.policy_mutations import MutationSpec, Patch
 
 # -- the client (patched in this process) ------------------------------------------------
 
@@ -92,12 +92,15 @@ def in_the_stage_process(name: str) -> Callable[[], Patch]:
     return patch
 
 
-#: ``(name, bug, mode, target, patch)``, run by the stage harness.
-STAGE_MUTATIONS: tuple[MutationSpec, ...] = (
-    ("stage-end-leaves-streams-open", "the client leaves streams open when the stage shuts "
-     "down or dies", "step", "stage", end_leaves_streams_open),
-    ("stage-aborted-output-not-sent", "the stage does not send an aborted request's final "
-     "output", "request", "stage", in_the_stage_process("stage-aborted-output-not-sent")),
-    ("stage-exit-skips-core-shutdown", "the stage exits without shutting its core down",
-     "request", "stage", in_the_stage_process("stage-exit-skips-core-shutdown")),
+#: Run by the stage harness.
+STAGE_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(name="stage-end-leaves-streams-open", mode="step", target="stage",
+             bug="the client leaves streams open when the stage shuts down or dies",
+             patch=end_leaves_streams_open),
+    Mutation(name="stage-aborted-output-not-sent", mode="request", target="stage",
+             bug="the stage does not send an aborted request's final output",
+             patch=in_the_stage_process("stage-aborted-output-not-sent")),
+    Mutation(name="stage-exit-skips-core-shutdown", mode="request", target="stage",
+             bug="the stage exits without shutting its core down",
+             patch=in_the_stage_process("stage-exit-skips-core-shutdown")),
 )  # fmt: skip

@@ -1,0 +1,231 @@
+"""The harness targets a mutation names, resolved by name: each builds its
+harness class for an execution mode over the ``testing-faults`` pipeline.
+
+:func:`harness_for` is what :func:`~diffusion_runtime.testing.mutations.hunt`
+and a replay file's ``target`` recipe use; the factories are public, to run a
+target in another configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import hypothesis.strategies as st
+from hypothesis.stateful import RuleBasedStateMachine
+
+from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.errors import InvalidFieldError
+from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.testing.core_harness import CoreLifecycleMachine, core_lifecycle_machine
+from diffusion_runtime.testing.deadline_harness import (
+    TICK_S,
+    DeadlineCoreLifecycleMachine,
+    PatientEarliestDeadline,
+    tick_deadlines,
+)
+from diffusion_runtime.testing.gap_mutations import PriorityPreemptingScheduler
+from diffusion_runtime.testing.harness import EngineLifecycleMachine, lifecycle_machine
+from diffusion_runtime.testing.lockstep import lockstep_machine
+from diffusion_runtime.testing.stage_front import StageFront
+from diffusion_runtime.testing.strategies import sampling_params
+
+PROMPTS = st.sampled_from(["cat", "dog", 7])
+#: Prompts ``testing-faults`` fails on: in the forward, by a missing result, in a step.
+FAILING_PROMPTS = st.sampled_from(["fail", "missing", "bad-step"])
+#: RPC timeouts: on mp a microsecond is too short for any reply (the late one must be dropped).
+RPC_TIMEOUTS = st.sampled_from([1e-6, None, 5.0])
+
+
+def params(
+    mode: str,
+    priorities: tuple[int, int] = (0, 0),
+    deadline_s: st.SearchStrategy[float | None] | None = None,
+) -> st.SearchStrategy[SamplingParams]:
+    """Sampling parameters for ``mode``: step mode's requests stay running long
+    enough to be aborted mid-flight."""
+    steps = (1, 3) if mode == "request" else (2, 6)
+    return sampling_params(
+        steps=steps,
+        outputs=(1, 2),
+        guidance=[1.0, 2.0],
+        priorities=priorities,
+        deadlines=deadline_s,
+    )
+
+
+def config(
+    mode: str,
+    backend: str = "uni",
+    policy: str | type = "fifo",
+    max_num_seqs: int = 2,  # small, so waves fill up and overfill when a policy is wrong
+    **more: Any,
+) -> EngineConfig:
+    """The core targets' engine config (``more``: other config fields)."""
+    return EngineConfig(
+        pipeline="testing-faults",
+        device="cpu",
+        max_num_seqs=max_num_seqs,
+        execution_mode=mode,
+        executor_backend=backend,
+        streaming_output=mode == "step",  # streaming selects step mode
+        preview_interval=1,
+        scheduling_policy=policy,
+        **more,
+    )
+
+
+def core_harness(mode: str, backend: str = "uni") -> type[CoreLifecycleMachine]:
+    """The core harness over the ``backend`` executor (targets ``core`` and ``mp``)."""
+    return core_lifecycle_machine(
+        lambda: config(mode, backend),
+        prompts=PROMPTS,
+        failing_prompts=FAILING_PROMPTS,
+        fatal_prompts=st.just("device-fault") if backend == "uni" else None,
+        params=params(mode),
+        rpc_timeouts=RPC_TIMEOUTS,
+    )
+
+
+def preempt_harness() -> type[CoreLifecycleMachine]:
+    """The step-mode core under the preemptive priority policy, priorities drawn per
+    request: a better-ranked arrival preempts a running request, which resumes later.
+    The offload budget holds about two preempted states, so some resume from host
+    memory and some from the device."""
+    return core_lifecycle_machine(
+        lambda: config("step", policy="priority", preempted_offload_bytes=16 * 2**10),
+        prompts=PROMPTS,
+        failing_prompts=FAILING_PROMPTS,
+        fatal_prompts=st.just("device-fault"),
+        params=params("step", priorities=(0, 3)),
+        rpc_timeouts=RPC_TIMEOUTS,
+    )
+
+
+def user_scheduler_harness() -> type[CoreLifecycleMachine]:
+    """The default core harness (no priority drawn) with a user's scheduler that
+    preempts on priority: its own rules must make it preempt."""
+    return core_lifecycle_machine(
+        lambda: config("step"),
+        prompts=PROMPTS,
+        failing_prompts=FAILING_PROMPTS,
+        params=params("step"),
+        scheduler_cls=PriorityPreemptingScheduler,
+    )
+
+
+def deadline_harness(
+    policy: str | type = "slo", miss: str = "drop", mode: str = "step", max_num_seqs: int = 2
+) -> type[CoreLifecycleMachine]:
+    """The core on a virtual clock under a deadline-aware policy: deadlines and
+    priorities drawn per request; aging after 24 ticks, so it is reached."""
+    return core_lifecycle_machine(
+        lambda: config(
+            mode,
+            policy=policy,
+            max_num_seqs=max_num_seqs,
+            deadline_miss=miss,
+            scheduling_aging_s=24 * TICK_S,
+        ),
+        prompts=PROMPTS,
+        failing_prompts=FAILING_PROMPTS,
+        fatal_prompts=st.just("device-fault"),
+        params=params(mode, priorities=(0, 3), deadline_s=tick_deadlines()),
+        rpc_timeouts=RPC_TIMEOUTS,
+        base=DeadlineCoreLifecycleMachine,
+    )
+
+
+def patient_harness() -> type[CoreLifecycleMachine]:
+    """The deadline harness under a policy that reorders but never preempts, with
+    room for three: a running set with places free while an aged request of
+    another key waits (the aging bound's form without preemption)."""
+    return deadline_harness(PatientEarliestDeadline, "run_late", max_num_seqs=3)
+
+
+def front_harness(mode: str) -> type[EngineLifecycleMachine]:
+    """The front harness over a :class:`~diffusion_runtime.engine.DiffusionEngine`."""
+    return lifecycle_machine(
+        lambda: front_config(mode),
+        prompts=PROMPTS,
+        failing_prompts=FAILING_PROMPTS,
+        params=params(mode),
+        read_timeout_s=3.0,  # a hung stream fails the example instead of the suite
+    )
+
+
+def front_config(mode: str) -> EngineConfig:
+    """The front and lockstep targets' engine config."""
+    return EngineConfig(
+        pipeline="testing-faults", device="cpu", max_num_seqs=3, execution_mode=mode
+    )
+
+
+def stage_harness(mode: str) -> type[EngineLifecycleMachine]:
+    """The front harness over a stage client and its stage process."""
+    return lifecycle_machine(
+        lambda: stage_config(mode),
+        prompts=PROMPTS,
+        failing_prompts=FAILING_PROMPTS,
+        params=params(mode),
+        read_timeout_s=3.0,  # a hung stream fails the example instead of the suite
+        front=StageFront,
+    )
+
+
+def stage_config(mode: str) -> EngineConfig:
+    """The stage target's engine config: a stage starts per example."""
+    return EngineConfig(
+        pipeline="testing-faults",
+        device="cpu",
+        max_num_seqs=3,
+        execution_mode=mode,
+        warmup=False,
+        intra_op_threads=1,
+    )
+
+
+def lockstep_harness(mode: str) -> type[EngineLifecycleMachine]:
+    """The lockstep harness: an engine the harness drives itself, racing its loop."""
+    return lockstep_machine(
+        lambda: front_config(mode),
+        prompts=PROMPTS,
+        failing_prompts=FAILING_PROMPTS,
+        params=params(mode),
+        read_timeout_s=3.0,  # a hung stream fails the example instead of the suite
+    )
+
+
+#: Each target's harness class for an execution mode: ``core`` (an EngineCore,
+#: uni), ``mp`` (an EngineCore over the mp executor), ``preempt`` (an EngineCore
+#: under a preemptive policy), ``deadline-drop``/``deadline-run_late`` (an
+#: EngineCore on a virtual clock under the ``slo`` policy with that
+#: ``deadline_miss``), ``deadline-patient`` (the same under
+#: ``PatientEarliestDeadline``, which does not preempt), ``front`` (a
+#: DiffusionEngine), ``lockstep`` (a DiffusionEngine the harness drives itself,
+#: racing its loop), ``stage`` (a StageClient and its stage process) and
+#: ``user-scheduler`` (an EngineCore with a user's preempting ``scheduler_cls``,
+#: under the default core harness). The preemptive and deadline targets run in
+#: step mode whatever the mode.
+HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
+    "core": core_harness,
+    "mp": lambda mode: core_harness(mode, "mp"),
+    "preempt": lambda mode: preempt_harness(),
+    "user-scheduler": lambda mode: user_scheduler_harness(),
+    "deadline-drop": lambda mode: deadline_harness("slo", "drop"),
+    "deadline-run_late": lambda mode: deadline_harness("slo", "run_late"),
+    "deadline-patient": lambda mode: patient_harness(),
+    "front": front_harness,
+    "lockstep": lockstep_harness,
+    "stage": stage_harness,
+}
+
+
+def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
+    """A fresh harness class of ``target`` (a key of :data:`HARNESSES`) in ``mode``."""
+    factory = HARNESSES.get(target)
+    if factory is None:
+        raise InvalidFieldError(
+            "harness_for", "target", f"must be one of {sorted(HARNESSES)}", target
+        )
+    return factory(mode)
