@@ -35,11 +35,9 @@ from typing import Any, ClassVar
 
 import attrs
 import hypothesis.strategies as st
-import torch
 from hypothesis.stateful import (
     Bundle,
     MultipleResults,
-    RuleBasedStateMachine,
     invariant,
     multiple,
     precondition,
@@ -51,20 +49,15 @@ from diffusion_runtime.core import EngineCore, StepResult
 from diffusion_runtime.errors import DuplicateRequestError, EngineDeadError, RPCError
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
-from diffusion_runtime.fsm.audit import Auditor
 from diffusion_runtime.fsm.events import DeliveryEvent, TraceEvent, WaveEvent
 from diffusion_runtime.fsm.trace import JsonlTraceWriter
 from diffusion_runtime.outputs import RequestOutput, images_digest
 from diffusion_runtime.sampling_params import MAX_PRIORITY, SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.testing.copies_in_flight import CopiesInFlight
-from diffusion_runtime.testing.oracle import DirectOracle, FailureScope
+from diffusion_runtime.testing.harness_root import LifecycleHarness, configured
+from diffusion_runtime.testing.oracle import FailureScope
 from diffusion_runtime.testing.probes import PROBE_PATH
-from diffusion_runtime.testing.reach import Reach
-from diffusion_runtime.testing.strategies import sampling_params
-
-#: How many seed-dependence checks one example makes (each is two direct forwards).
-SEED_CHECKS_PER_EXAMPLE = 2
 
 
 @attrs.define
@@ -84,28 +77,20 @@ class RequestRecord:
     waves: set[int] = attrs.field(factory=set)
 
 
-class CoreLifecycleMachine(RuleBasedStateMachine):
+class CoreLifecycleMachine(LifecycleHarness):
     """The harness over an :class:`EngineCore`; configure it with
     :func:`core_lifecycle_machine` or subclass it."""
 
-    config_factory: ClassVar[Callable[[], EngineConfig]]
-    prompts: ClassVar[st.SearchStrategy[Any]] = st.sampled_from(["a", "b", 7])
-    params: ClassVar[st.SearchStrategy[SamplingParams]] = sampling_params()
-    failing_prompts: ClassVar[st.SearchStrategy[Any] | None] = None
     #: Prompts whose request kills the executor (a sticky device fault).
     fatal_prompts: ClassVar[st.SearchStrategy[Any] | None] = None
     rpc_timeouts: ClassVar[st.SearchStrategy[float | None]] = st.sampled_from([None, 1e-4, 5.0])
-    scheduler_cls: ClassVar[type[BaseScheduler] | None] = None
-    executor_cls: ClassVar[type[DiffusionExecutor] | None] = None
     # A tuple, so the function is not bound as a method of the machine.
     worker_killer: ClassVar[tuple[Callable[[EngineCore], None], ...]] = ()
-    oracle_tolerance: ClassVar[float] = 0.0
     #: Steps a quiet-down may take before the harness calls the engine stuck.
     max_steps_to_idle: ClassVar[int] = 500
     #: Where each example writes its events (the last example run, the shrunk
     #: failing one when there is a failure, is what the file holds).
     trace_path: ClassVar[Path | None] = None
-    reach: ClassVar[Reach] = Reach()
 
     requests = Bundle("requests")
 
@@ -121,12 +106,9 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         #: The executor's results, with copies held in flight while a rule says so.
         self.copies = CopiesInFlight(self.core.executor.execute)
         self.core.executor.execute = self.copies  # type: ignore[method-assign,assignment]
-        self.auditor = Auditor()
         self.records: dict[str, RequestRecord] = {}
         self.past: list[RequestRecord] = []
         self.states: dict[str, RequestStatus] = {}
-        self.admissions: dict[str, int] = {}
-        self.terminals: dict[str, int] = {}
         self.closed = False
         self.dead = False
         self.last_wave_ids: tuple[str, ...] = ()
@@ -140,7 +122,6 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         #: Runs once when the next wave is scheduled, before the workers run it.
         self._during_wave: Callable[[], None] | None = None
         self._rpc_calls = 0
-        self.seed_checks = 0
         self._next_id = 0
         #: Ids now preempted, with the order they were preempted in.
         self._preempted_order: dict[str, int] = {}
@@ -151,7 +132,6 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         if self.trace_path is not None:
             self._trace_writer = JsonlTraceWriter(self.trace_path)
             self.core.machine.subscribe(self._trace_writer)
-        self.oracle = DirectOracle.for_config(config)
 
     def core_clock(self) -> Callable[[], float]:
         """The core's clock: the real one here; a subclass may return a virtual one."""
@@ -426,23 +406,15 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
     # -- invariants --------------------------------------------------------------------
 
     @invariant()
-    def the_auditor_finds_nothing(self) -> None:
-        assert not self.auditor.violations, self.auditor.violations[0].describe()
-
-    @invariant()
     def nothing_is_held_for_finished_requests(self) -> None:
         if not self._alive:
             return
         snapshot = self.core.snapshot()
         finished = {rid for rid, s in self.states.items() if s in TERMINAL_STATES}
-        for part in ("scheduler_ids", "runner_cached_ids"):
-            held = getattr(snapshot, part) & finished
-            assert not held, f"{part} holds finished requests {sorted(held)}"
-        if self.config.resolved_mode == "step":
-            # Running requests have step state; so may preempted ones (they resume from it).
-            preempted = {rid for rid, s in self.states.items() if s is RequestStatus.PREEMPTED}
-            assert snapshot.running_ids <= snapshot.runner_cached_ids, snapshot
-            assert snapshot.runner_cached_ids <= snapshot.running_ids | preempted, snapshot
+        preempted = {rid for rid, s in self.states.items() if s is RequestStatus.PREEMPTED}
+        step_mode = self.config.resolved_mode == "step"
+        self.check_nothing_held(snapshot, finished, preempted, step_mode)
+        if step_mode:
             # Only a state that sat out the last step may be in host memory.
             idle = snapshot.runner_cached_ids - snapshot.running_ids
             assert snapshot.runner_offloaded_ids <= idle, snapshot
@@ -487,7 +459,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
         finally:
             self._take(self._release_all())
         self.delivered_images_stay_as_delivered()
-        self._check_final_trace()
+        self.check_trace_ended(may_have_died=self.dead)
 
     def _release_all(self) -> list[RequestOutput]:
         """Shut the core down and close the trace; the outputs the shutdown made."""
@@ -508,12 +480,7 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             final = record.final
             assert final is not None, f"no final output for a request with prompt {record.prompt!r}"
             if final.status is RequestStatus.FINISHED_COMPLETED:
-                count = record.params.num_outputs_per_prompt
-                images = final.image_batch
-                got = None if images is None else tuple(images.shape)
-                assert images is not None and images.shape[0] == count, (
-                    f"{final.request_id!r} completed with images {got}; it asked for {count}"
-                )
+                self.check_image_count(final, record.params)
             excused = bool(record.waves & poisoned)
             if excused and not record.failing:
                 self.reach.note("path: a request excused by a batch mate's forward failure")
@@ -550,38 +517,6 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
                 f"{final.request_id!r} never ran, yet reports {execution} s executing"
             )
             self.reach.note("path: metrics of a request that never ran")
-
-    def _check_against_the_pipeline(self, record: RequestRecord, final: RequestOutput) -> None:
-        """A completed output equals the pipeline's own output, called directly, and
-        another seed gives other images. Checked as the output arrives, while the
-        engine (which may share the pipeline object) has not closed it."""
-        assert final.image_batch is not None
-        expected = self.oracle.images(record.prompt, record.params, record.seed)
-        assert expected is not None, (
-            f"{final.request_id!r} completed, but the pipeline alone fails prompt {record.prompt!r}"
-        )
-        assert self.oracle.matches(expected, final.image_batch, self.oracle_tolerance), (
-            f"{final.request_id!r}: output differs from the pipeline run directly "
-            f"(prompt {record.prompt!r}, {record.params}, seed {record.seed})"
-        )
-        if not self.oracle.seed_free and self.seed_checks < SEED_CHECKS_PER_EXAMPLE:
-            self.seed_checks += 1
-            other = self.oracle.images(record.prompt, record.params, record.seed + 1)
-            assert other is None or not torch.equal(other, final.image_batch), (
-                f"the pipeline ignores the seed: prompt {record.prompt!r} gave equal "
-                f"images with seeds {record.seed} and {record.seed + 1} "
-                "(declare seed_free = True on a pipeline that means to)"
-            )
-
-    def _check_final_trace(self) -> None:
-        for rid, admitted in self.admissions.items():
-            assert self.terminals.get(rid, 0) == admitted, (
-                f"{rid!r}: {admitted} admissions, {self.terminals.get(rid, 0)} terminal states"
-            )
-        self.auditor.finish()
-        if not self.dead:
-            assert self.auditor.complete, "the trace did not end with the engine closing"
-        assert not self.auditor.violations, self.auditor.violations[0].describe()
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -683,23 +618,24 @@ class CoreLifecycleMachine(RuleBasedStateMachine):
             self._check_fields(record, output)
             self.reach.note(f"outcome: {output.status.name}")
             if output.status is RequestStatus.FINISHED_COMPLETED:
-                self._check_against_the_pipeline(record, output)
+                self.check_against_the_pipeline(output, record.prompt, record.params, record.seed)
                 if record.preempted:
                     self.reach.note("path: a preempted request completed as the oracle")
 
     def _record(self, event: TraceEvent) -> None:
-        self.auditor.feed(event)
+        super()._record(event)
         if isinstance(event, LifecycleEvent) and not event.rejected:
             rid = event.request_id
             self.states[rid] = event.dest
             self._note_preemption(event)
             if event.source is None:
                 self.queued.discard(rid)
-                self.admissions[rid] = self.admissions.get(rid, 0) + 1
-            elif event.dest in TERMINAL_STATES:
-                self.terminals[rid] = self.terminals.get(rid, 0) + 1
-                if event.wave_id is None and self.copies.carries_progress_of(rid):
-                    self.reach.note("path: a request ended with its progress in flight")
+            elif (
+                event.dest in TERMINAL_STATES
+                and event.wave_id is None
+                and self.copies.carries_progress_of(rid)
+            ):
+                self.reach.note("path: a request ended with its progress in flight")
         elif isinstance(event, DeliveryEvent) and event.finished and event.digest:
             self._delivery_digests[event.request_id] = event.digest
         elif isinstance(event, WaveEvent):
@@ -793,18 +729,18 @@ def core_lifecycle_machine(
     ``oracle_tolerance`` allows an absolute difference from the direct run;
     ``trace_path`` keeps the events of the last example run.
     """
-    attributes: dict[str, Any] = {
-        "config_factory": staticmethod(config),
-        "failing_prompts": failing_prompts,
-        "fatal_prompts": fatal_prompts,
-        "scheduler_cls": scheduler_cls,
-        "executor_cls": executor_cls,
-        "worker_killer": (worker_killer,) if worker_killer else (),
-        "oracle_tolerance": oracle_tolerance,
-        "trace_path": trace_path,
-        "reach": Reach(),
-    }
-    for name, value in (("prompts", prompts), ("params", params), ("rpc_timeouts", rpc_timeouts)):
-        if value is not None:
-            attributes[name] = value
-    return type("ConfiguredCoreLifecycle", (base,), attributes)
+    return configured(
+        base,
+        "ConfiguredCoreLifecycle",
+        config,
+        prompts=prompts,
+        params=params,
+        failing_prompts=failing_prompts,
+        fatal_prompts=fatal_prompts,
+        rpc_timeouts=rpc_timeouts,
+        scheduler_cls=scheduler_cls,
+        executor_cls=executor_cls,
+        worker_killer=(worker_killer,) if worker_killer else None,
+        oracle_tolerance=oracle_tolerance,
+        trace_path=trace_path,
+    )
