@@ -75,10 +75,6 @@ class HarnessFront(Protocol):
 
     def snapshot(self) -> EngineSnapshot: ...
 
-    def generate_alone(self, prompt: Any, params: SamplingParams, timeout: float) -> RequestOutput:
-        """Run one request with nothing else in flight and return its final output."""
-        ...
-
     def wait_until_quiet(self, timeout: float) -> None:
         """Until every admitted request has delivered its final output."""
         ...
@@ -171,10 +167,6 @@ class EngineFront:
 
     def snapshot(self) -> EngineSnapshot:
         return self.engine.snapshot()
-
-    def generate_alone(self, prompt: Any, params: SamplingParams, timeout: float) -> RequestOutput:
-        [output] = self.engine.generate([prompt], params, timeout=timeout)
-        return output
 
     def wait_until_quiet(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

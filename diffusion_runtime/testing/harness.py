@@ -9,7 +9,9 @@ batches) / kill a worker / close, in random order, with the auditor attached
 to every event. After every step it checks the auditor found nothing and
 that no state is left for finished requests; at the end, that every admitted
 request reached exactly one terminal state, and that every completed output
-equals the same request run alone. What a front cannot offer (see
+equals the pipeline's own output for it, called directly (the checks of
+:class:`~diffusion_runtime.testing.harness_root.LifecycleHarness`, the root
+every harness shares). What a front cannot offer (see
 :class:`~diffusion_runtime.testing.fronts.FrontCapabilities`) switches the
 rules and checks that need it off.
 
@@ -29,9 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-import attrs
 import hypothesis.strategies as st
-import torch
 from hypothesis import settings as Settings
 from hypothesis.stateful import (
     Bundle,
@@ -53,17 +53,15 @@ from diffusion_runtime.errors import (
 )
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
-from diffusion_runtime.fsm.audit import Auditor
 from diffusion_runtime.fsm.events import TraceEvent
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.testing.core_harness import core_lifecycle_machine
 from diffusion_runtime.testing.fronts import EngineFront, HarnessFront
-from diffusion_runtime.testing.reach import Reach
+from diffusion_runtime.testing.harness_root import LifecycleHarness, configured
 from diffusion_runtime.testing.replay import replayable_test_case
 from diffusion_runtime.testing.stage_front import StageFront
-from diffusion_runtime.testing.strategies import sampling_params
 
 #: Where a failing ``lifecycle_test_case`` writes its replay file unless told otherwise.
 DEFAULT_REPLAY_DIR = Path(tempfile.gettempdir()) / "diffusion-runtime-replays"
@@ -72,7 +70,7 @@ DEFAULT_REPLAY_DIR = Path(tempfile.gettempdir()) / "diffusion-runtime-replays"
 FrontFactory = Callable[[EngineConfig, asyncio.AbstractEventLoop], HarnessFront]
 
 
-class EngineLifecycleMachine(RuleBasedStateMachine):
+class EngineLifecycleMachine(LifecycleHarness):
     """The harness; configure it with :func:`lifecycle_machine` or subclass it.
 
     Override :meth:`build_engine` to keep a handle on the pipeline you pass
@@ -80,17 +78,11 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     ``front_factory`` it drives that front instead of a :class:`DiffusionEngine`.
     """
 
-    config_factory: ClassVar[Callable[[], EngineConfig]]
-    prompts: ClassVar[st.SearchStrategy[Any]] = st.sampled_from(["a", "b", 7])
-    params: ClassVar[st.SearchStrategy[SamplingParams]] = sampling_params()
-    failing_prompts: ClassVar[st.SearchStrategy[Any] | None] = None
     # A tuple, so the function is not bound as a method of the machine.
     worker_killer: ClassVar[tuple[Callable[[DiffusionEngine], None], ...]] = ()
-    check_solo: ClassVar[bool] = True
+    #: Whether completed outputs are compared with the pipeline called directly.
+    check_oracle: ClassVar[bool] = True
     read_timeout_s: ClassVar[float] = 30.0
-    scheduler_cls: ClassVar[type[BaseScheduler] | None] = None
-    executor_cls: ClassVar[type[DiffusionExecutor] | None] = None
-    reach: ClassVar[Reach] = Reach()
     # A tuple, so the factory is not bound as a method of the machine.
     front_factory: ClassVar[tuple[FrontFactory, ...]] = ()
 
@@ -99,7 +91,6 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.auditor = Auditor()
         self.lifecycle: list[LifecycleEvent] = []
         self.inputs: dict[str, tuple[Any, SamplingParams]] = {}
         self.unread: set[str] = set()
@@ -110,6 +101,7 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         #: Ids whose consumer left while they were active, with that admission's number.
         self.must_abort: dict[str, int] = {}
         self.front = self.build_front()
+        self.config = self.front.config
         if self.front.capabilities.live_events:
             self.front.subscribe(self._record)
 
@@ -315,10 +307,6 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
 
     # -- invariants --------------------------------------------------------------------
 
-    @invariant()
-    def the_auditor_finds_nothing(self) -> None:
-        assert not self.auditor.violations, self.auditor.violations[0].describe()
-
     @precondition(lambda self: self.front.capabilities.snapshot)
     @invariant()
     def nothing_is_left_for_finished_requests(self) -> None:
@@ -329,15 +317,9 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         if self.closed:
             assert not snapshot.scheduler_ids and not snapshot.running_ids
             return
-        assert not finished & snapshot.scheduler_ids, finished & snapshot.scheduler_ids
-        assert not finished & snapshot.runner_cached_ids, finished & snapshot.runner_cached_ids
-        if self.front.config.resolved_mode == "step":
-            # Running requests have step state; so may preempted ones (they resume from it).
-            preempted = {
-                e.request_id for e in self.lifecycle if e.dest is RequestStatus.PREEMPTED
-            } - finished
-            assert snapshot.running_ids <= snapshot.runner_cached_ids, snapshot
-            assert snapshot.runner_cached_ids <= snapshot.running_ids | preempted, snapshot
+        preempted = {e.request_id for e in self.lifecycle if e.dest is RequestStatus.PREEMPTED}
+        step_mode = self.front.config.resolved_mode == "step"
+        self.check_nothing_held(snapshot, finished, preempted - finished, step_mode)
 
     def _can_hold(self) -> bool:
         """Whether a rule may hold the loop now: the front can, and it is not held or over."""
@@ -350,8 +332,8 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
                 self.resume()
             if not self.closed and not self.killed:
                 self.read_all()
-                if self.check_solo:
-                    self._check_against_solo_runs()
+                if self.check_oracle:
+                    self._check_against_the_pipeline()
             self.front.close()
             for event in self.front.recorded_events():  # the events no subscriber saw live
                 self._record(event)
@@ -373,32 +355,18 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
                     f"{rid!r}: its consumer left while it was active, yet it ended {end.dest} "
                     f"(its transitions: {[e.trigger for e in self._events_of(rid)]})"
                 )
-        terminal = [e.request_id for e in self.lifecycle if e.dest in TERMINAL_STATES]
-        admitted = [e.request_id for e in self.lifecycle if e.source is None]
-        assert sorted(terminal) == sorted(admitted), "every admission ends in one terminal state"
         for out in self.outputs.values():
             if out.ok:
-                count = self.inputs[out.request_id][1].num_outputs_per_prompt
-                assert out.image_batch is not None and out.image_batch.shape[0] == count, out
-        self.auditor.finish()
-        assert self.auditor.complete or (self.killed and self.auditor.dead), (
-            "the trace did not end with the engine closing (or dying, after a kill)"
-        )
-        assert not self.auditor.violations, self.auditor.violations[0].describe()
+                self.check_image_count(out, self.inputs[out.request_id][1])
+        self.check_trace_ended(may_have_died=self.killed)
 
-    def _check_against_solo_runs(self) -> None:
-        """Every completed output equals its request run alone (nothing else in flight)."""
+    def _check_against_the_pipeline(self) -> None:
+        """Every completed output equals the pipeline's own output for its request."""
         for rid, out in sorted(self.outputs.items()):
-            if not out.ok:
-                continue
-            prompt, params = self.inputs[rid]
-            params = attrs.evolve(params, seed=out.seed)  # the seed the engine used
-            solo = self.front.generate_alone(prompt, params, self.read_timeout_s)
-            assert solo.ok, solo.error
-            assert solo.image_batch is not None and out.image_batch is not None
-            assert torch.equal(out.image_batch, solo.image_batch), (
-                f"{rid!r}: output differs from the same request run alone"
-            )
+            if out.ok:
+                assert out.seed is not None, f"{rid!r}: a completed output without its seed"
+                prompt, params = self.inputs[rid]
+                self.check_against_the_pipeline(out, prompt, params, out.seed)
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -434,7 +402,7 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
         return blocked
 
     def _record(self, event: TraceEvent) -> None:
-        self.auditor.feed(event)
+        super()._record(event)
         if isinstance(event, LifecycleEvent) and not event.rejected:
             self.lifecycle.append(event)
 
@@ -484,7 +452,8 @@ def lifecycle_machine(
     params: st.SearchStrategy[SamplingParams] | None = None,
     failing_prompts: st.SearchStrategy[Any] | None = None,
     worker_killer: Callable[[DiffusionEngine], None] | None = None,
-    check_solo: bool = True,
+    check_oracle: bool = True,
+    oracle_tolerance: float = 0.0,
     scheduler_cls: type[BaseScheduler] | None = None,
     executor_cls: type[DiffusionExecutor] | None = None,
     read_timeout_s: float | None = None,
@@ -495,7 +464,9 @@ def lifecycle_machine(
 
     ``prompts`` and ``params`` generate valid requests; ``failing_prompts``
     generates requests the pipeline is known to fail on; ``worker_killer``
-    kills a worker of a multi-process engine; ``scheduler_cls`` and
+    kills a worker of a multi-process engine; ``check_oracle`` compares
+    each completed output with the pipeline called directly, within
+    ``oracle_tolerance`` (absolute); ``scheduler_cls`` and
     ``executor_cls`` plug in your own components; ``read_timeout_s`` bounds
     every wait for a stream; ``front`` builds another front than a
     :class:`DiffusionEngine` from the config (such as
@@ -511,24 +482,21 @@ def lifecycle_machine(
             if component is not None:
                 rule = "must be None with a front other than the engine (it builds its own)"
                 raise InvalidFieldError("lifecycle_machine", field, rule, component)
-    attributes: dict[str, Any] = {
-        "config_factory": staticmethod(config),
-        "check_solo": check_solo,
-        "failing_prompts": failing_prompts,
-        "worker_killer": (worker_killer,) if worker_killer else (),
-        "scheduler_cls": scheduler_cls,
-        "executor_cls": executor_cls,
-        "front_factory": (front,) if front else (),
-        "reach": Reach(),
-    }
-    for name, value in (
-        ("prompts", prompts),
-        ("params", params),
-        ("read_timeout_s", read_timeout_s),
-    ):
-        if value is not None:
-            attributes[name] = value
-    return type("ConfiguredLifecycle", (base,), attributes)
+    return configured(
+        base,
+        "ConfiguredLifecycle",
+        config,
+        prompts=prompts,
+        params=params,
+        failing_prompts=failing_prompts,
+        worker_killer=(worker_killer,) if worker_killer else None,
+        check_oracle=check_oracle,
+        oracle_tolerance=oracle_tolerance,
+        scheduler_cls=scheduler_cls,
+        executor_cls=executor_cls,
+        read_timeout_s=read_timeout_s,
+        front_factory=(front,) if front else None,
+    )
 
 
 #: The harness targets :func:`lifecycle_test_case` accepts.

@@ -55,6 +55,8 @@ class LifecycleHarness(RuleBasedStateMachine):
     #: The absolute difference allowed between an output and the direct run.
     oracle_tolerance: ClassVar[float] = 0.0
     reach: ClassVar[Reach] = Reach()
+    #: The engine's configuration (set by each harness once it has built its engine).
+    config: EngineConfig
 
     def __init__(self) -> None:
         super().__init__()
@@ -66,8 +68,9 @@ class LifecycleHarness(RuleBasedStateMachine):
 
     @functools.cached_property
     def oracle(self) -> DirectOracle:
-        """The pipeline built as a worker builds it, called directly (built on first use)."""
-        return DirectOracle.for_config(type(self).config_factory())
+        """The pipeline built as a worker of :attr:`config` builds it, called directly
+        (built on first use)."""
+        return DirectOracle.for_config(self.config)
 
     @invariant()
     def the_auditor_finds_nothing(self) -> None:

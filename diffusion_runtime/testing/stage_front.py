@@ -120,11 +120,6 @@ class StageFront:
     def snapshot(self) -> EngineSnapshot:
         raise RuntimeError("a stage has no snapshot of its core (capabilities.snapshot)")
 
-    def generate_alone(self, prompt: Any, params: SamplingParams, timeout: float) -> RequestOutput:
-        generate = asyncio.wait_for(self.client.generate([prompt], params), timeout)
-        [output] = self._loop.run_until_complete(generate)
-        return output
-
     def wait_until_quiet(self, timeout: float) -> None:
         async def quiet() -> None:
             while self.client.unfinished_request_ids:
