@@ -82,6 +82,7 @@ FAST_SUBSET = {
     "user-preemption-readmits",
     "queue-time-until-the-end",
     "drive-idles-before-done",
+    "batched-device-fault-kept-local",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -101,7 +102,15 @@ REQUIRED_REACH = {
         "path: delivered images re-checked after later waves": 100,
         "rule: fill, then urgent work": 50,
     },
-    "step": {"rule: abort a RUNNING request": 5, "path: progress output": 20},
+    "step": {
+        "rule: abort a RUNNING request": 5,
+        "path: progress output": 20,
+        # The runner's batched path (step_batch, post_decode_batch), drawn per example.
+        "path: a wave mixing 'bad-step' and good requests, batched_steps=True": 3,
+        "path: a wave mixing 'fail' and good requests, batched_steps=True": 2,
+        "path: a wave mixing 'device-fault' and good requests, batched_steps=True": 1,
+        "path: a wave producing several requests' images, batched_steps=True": 15,
+    },
     "mp": {"path: RPC timed out": 1, "path: RPC answered": 3},
     "user-scheduler": {
         "path: preempted": 20,
@@ -208,6 +217,8 @@ def core_harness(mode: str, backend: str = "uni") -> type[CoreLifecycleMachine]:
         prompts=st.sampled_from(["cat", "dog", 7]),
         failing_prompts=st.sampled_from(["fail", "missing", "bad-step"]),
         fatal_prompts=st.just("device-fault") if backend == "uni" else None,
+        # Half the examples step through step_batch and post_decode_batch (step mode).
+        pipeline_options=st.fixed_dictionaries({"batched_steps": st.sampled_from([True, False])}),
         params=params(mode),
         # On mp a microsecond is too short for any reply: the late one must be dropped.
         rpc_timeouts=st.sampled_from([1e-6, None, 5.0]),

@@ -33,6 +33,7 @@ from diffusion_runtime.testing.gap_mutations import GAP_MUTATIONS
 from diffusion_runtime.testing.patching import replace_attribute as _replace
 from diffusion_runtime.testing.policy_mutations import POLICY_MUTATIONS
 from diffusion_runtime.testing.preemption_mutations import PREEMPTION_MUTATIONS
+from diffusion_runtime.testing.runner_mutations import RUNNER_MUTATIONS
 from diffusion_runtime.testing.stage_mutations import STAGE_MUTATIONS
 
 
@@ -325,6 +326,7 @@ CATALOGUE: tuple[Mutation, ...] = _FIRST_CATALOGUE + tuple(
         *DEADLINE_MUTATIONS,
         *STAGE_MUTATIONS,
         *GAP_MUTATIONS,
+        *RUNNER_MUTATIONS,
     )
 )
 
