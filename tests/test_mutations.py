@@ -79,6 +79,7 @@ FAST_SUBSET = {
     "drive-idles-before-done",
     "progress-outlives-its-request",
     "delivery-ignores-the-fence",
+    "batched-device-fault-kept-local",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -105,6 +106,11 @@ REQUIRED_REACH = {
         "rule: abort a RUNNING request": 5,
         "path: progress output": 20,
         "path: a request ended with its progress in flight": 2,
+        # The runner's batched path (step_batch, post_decode_batch), drawn per example.
+        "path: a wave mixing 'bad-step' and good requests, batched_steps=True": 3,
+        "path: a wave mixing 'fail' and good requests, batched_steps=True": 2,
+        "path: a wave mixing 'device-fault' and good requests, batched_steps=True": 1,
+        "path: a wave producing several requests' images, batched_steps=True": 15,
     },
     "mp": {"path: RPC timed out": 1, "path: RPC answered": 3},
     "user-scheduler": {

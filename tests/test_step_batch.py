@@ -12,6 +12,7 @@ import torch
 from diffusion_runtime.pipelines.digits import DigitsPipeline
 from diffusion_runtime.pipelines.protocols import PipelineRequest, StepPipeline, StepRequestState
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.testing.pipelines import FaultInjectingPipeline
 
 # Raised inside diffusers' sigma schedulers under numpy 2 (not by the runtime).
 pytestmark = [
@@ -98,6 +99,51 @@ def test_digits_previews_see_each_requests_own_clean_estimate() -> None:
         assert preview is not None and batched is not None
         assert torch.equal(preview, batched)
         assert other.step_index == 2
+
+
+# -- the harness's testing-faults pipeline -------------------------------------------------
+
+
+def test_testing_faults_batched_steps_equal_per_request_steps_bit_for_bit() -> None:
+    """Mixed step counts, guidance scales and output counts, and requests finishing together."""
+    specs = [
+        (prompt, SamplingParams(num_inference_steps=steps, guidance_scale=g, **extra))
+        for prompt, steps, g, extra in [
+            ("cat", 4, 1.0, {}),
+            ("dog", 4, 2.0, {"num_outputs_per_prompt": 2}),
+            (7, 2, 1.0, {}),
+            ("cat", 5, 1.0, {"seed": 3}),
+            ("missing", 4, 1.0, {}),
+        ]
+    ]
+    assert_same_images(FaultInjectingPipeline(batched_steps=True), specs)
+
+
+def test_testing_faults_has_the_batched_methods_only_when_asked() -> None:
+    assert not hasattr(FaultInjectingPipeline(), "step_batch")
+    assert not hasattr(FaultInjectingPipeline(), "post_decode_batch")
+
+
+def test_testing_faults_batched_step_fails_a_bad_step_request_alone() -> None:
+    """Its own step fails: it stays where it was (the runner fails it alone), the rest
+    advance; a forward made of such steps fails, as a forward with a raising step does."""
+    pipe = FaultInjectingPipeline(batched_steps=True)
+    params = SamplingParams(num_inference_steps=3)
+    states = states_of(pipe, [("cat", params), ("bad-step", params), ("dog", params)])
+    pipe.step_batch(states)
+    assert [state.step_index for state in states] == [1, 0, 1]
+    request = PipelineRequest("r0", "bad-step", params, 0, CPU)
+    with pytest.raises(RuntimeError, match="did not advance 'r0'"):
+        pipe.forward([request])
+
+
+def test_testing_faults_batched_step_fails_whole_as_its_denoiser_call_does() -> None:
+    pipe = FaultInjectingPipeline(batched_steps=True)
+    params = SamplingParams(num_inference_steps=3)
+    states = states_of(pipe, [("cat", params), ("fail", params)])
+    with pytest.raises(RuntimeError, match="injected failure"):
+        pipe.step_batch(states)
+    assert pipe.step_batches == [["r0", "r1"]]
 
 
 # -- diffusers ----------------------------------------------------------------------------

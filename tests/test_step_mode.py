@@ -20,6 +20,7 @@ from diffusion_runtime import (
     SamplingParams,
 )
 from diffusion_runtime.contracts import RunnerOutput
+from diffusion_runtime.core import EngineCore
 from diffusion_runtime.fsm import RequestMachine
 from diffusion_runtime.scheduler import Request
 from diffusion_runtime.scheduler.step_scheduler import StepScheduler
@@ -201,6 +202,32 @@ def test_a_failing_denoise_step_fails_the_requests_in_that_step(
     assert [o.status for o in outs] == [S.FINISHED_ERROR, S.FINISHED_ERROR, S.FINISHED_COMPLETED]
     assert outs[0].error == "RuntimeError: injected failure"
     assert not engine.snapshot().runner_cached_ids
+
+
+def test_a_batched_step_that_leaves_a_request_behind_fails_and_drops_it_at_once() -> None:
+    """``step_batch`` fails one request alone by leaving its step index in place:
+    the runner fails it and drops its state in that step, not at the next output."""
+    config = EngineConfig(
+        pipeline="testing-faults",
+        pipeline_kwargs={"batched_steps": True},
+        device="cpu",
+        execution_mode="step",
+        max_num_seqs=2,
+    )
+    core = EngineCore(config)
+    try:
+        core.add_request("ok", "ok", steps(3), seed=0)
+        core.add_request("bad", "bad-step", steps(3), seed=0)
+        [failed] = [out for out in core.step().outputs if out.finished]
+        assert failed.request_id == "bad" and failed.status is S.FINISHED_ERROR
+        assert failed.error == "the pipeline's step moved the step index from 0 to 0 (of 3)"
+        assert core.snapshot().runner_cached_ids == {"ok"}
+        finals = []
+        while core.has_unfinished():
+            finals += [out for out in core.step().outputs if out.finished]
+        assert [(out.request_id, out.status) for out in finals] == [("ok", S.FINISHED_COMPLETED)]
+    finally:
+        core.shutdown()
 
 
 def test_runner_state_is_released_on_every_terminal_path(

@@ -139,7 +139,8 @@ class StepPipeline(RequestPipeline, Protocol):
       for each request to ``denoise_step`` then ``step_scheduler``, but free to
       run requests at the same step through one scheduler step on stacked
       latents. When present, the runner (and :func:`forward_by_steps`) calls it
-      instead of those two; an error in it fails every request of the step.
+      instead of those two; an error in it fails every request of the step,
+      and a state whose ``step_index`` it leaves in place fails alone.
     - ``post_decode_batch(states) -> Sequence[Tensor]``: ``post_decode`` of
       several requests that finished at the same step, in one go (one result
       per state, in order); an error in it fails all of them.
@@ -162,7 +163,9 @@ def forward_by_steps(
     Runs every request of ``batch`` to its last step (requests with fewer
     steps leave the batch early) and decodes it, together with those that
     finish at the same step, as the runner does. A pipeline whose ``forward``
-    is this function gives bit-identical images in both execution modes.
+    is this function gives bit-identical images in both execution modes. A
+    ``step_batch`` that leaves a request's step index where it was (which
+    fails that request in step mode) raises, failing the forward.
     """
     states = [pipeline.prepare_encode(request) for request in batch]
     step_batch = getattr(pipeline, "step_batch", None)
@@ -171,7 +174,11 @@ def forward_by_steps(
     active = states
     while active:
         if step_batch is not None:
+            before = [state.step_index for state in active]
             step_batch(active)
+            for state, index in zip(active, before, strict=True):
+                if state.step_index <= index:  # the runner fails such a request
+                    raise RuntimeError(f"step_batch did not advance {state.request_id!r}")
         else:
             for state, model_output in zip(active, pipeline.denoise_step(active), strict=True):
                 pipeline.step_scheduler(state, model_output)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import TypeVar, cast
 
 import attrs
 import torch
@@ -21,6 +21,8 @@ from diffusion_runtime.runner.faults import is_sticky_device_fault
 from diffusion_runtime.runner.host_copy import HostCopier
 from diffusion_runtime.runner.input_batch import InputBatch
 from diffusion_runtime.runner.state_offload import StateOffloader
+
+_Result = TypeVar("_Result")
 
 
 class ModelRunner:
@@ -187,10 +189,11 @@ class ModelRunner:
         batch = self.input_batch
         batch.update(tuple(ids), self.states)
         result.executed.extend(ids)
+        before = [state.step_index for state in batch]
         if self._step_batch is not None:
-            self._run_step_batch(self._step_batch, pipeline, batch, result)
+            self._run_step_batch(self._step_batch, pipeline, batch, before, result)
         else:
-            self._run_step_by_request(pipeline, batch, result)
+            self._run_step_by_request(pipeline, batch, before, result)
         # Finished or failed here: free the tensors now.
         done = [rid for rid in ids if rid in result.errors or rid in result.images]
         result.released.extend(self._release(done))
@@ -200,6 +203,7 @@ class ModelRunner:
         step_batch: Callable[[InputBatch], None],
         pipeline: StepPipeline,
         batch: InputBatch,
+        before: list[int],
         result: RunnerOutput,
     ) -> None:
         try:
@@ -209,39 +213,47 @@ class ModelRunner:
             _fail_all(result, batch.request_ids, exc)
             return
         finished: list[StepRequestState] = []
-        for state in batch:
-            self._report(state, result, finished)
+        for state, step_index in zip(batch, before, strict=True):
+            self._report(state, step_index, result, finished)
         self._decode(pipeline, finished, result)
 
     def _run_step_by_request(
-        self, pipeline: StepPipeline, batch: InputBatch, result: RunnerOutput
+        self, pipeline: StepPipeline, batch: InputBatch, before: list[int], result: RunnerOutput
     ) -> None:
-        try:
-            model_outputs = pipeline.denoise_step(batch)
-            if len(model_outputs) != len(batch):
-                raise RuntimeError(
-                    f"denoise_step returned {len(model_outputs)} outputs for {len(batch)} states"
-                )
-        except Exception as exc:
-            _reraise_if_sticky(exc)
-            _fail_all(result, batch.request_ids, exc)
+        model_outputs = _one_result_each(
+            pipeline.denoise_step, batch, result, ("denoise_step", "outputs")
+        )
+        if model_outputs is None:
             return
         finished: list[StepRequestState] = []
-        for state, model_output in zip(batch, model_outputs, strict=True):
+        for state, model_output, step_index in zip(batch, model_outputs, before, strict=True):
             try:
                 pipeline.step_scheduler(state, model_output)
             except Exception as exc:
                 _reraise_if_sticky(exc)
                 result.errors[state.request_id] = describe_error(exc)
                 continue
-            self._report(state, result, finished)
+            self._report(state, step_index, result, finished)
         self._decode(pipeline, finished, result)
 
     def _report(
-        self, state: StepRequestState, result: RunnerOutput, finished: list[StepRequestState]
+        self,
+        state: StepRequestState,
+        before: int,
+        result: RunnerOutput,
+        finished: list[StepRequestState],
     ) -> None:
-        """Record a stepped request's progress; queue it for decoding, or preview it."""
+        """Record a stepped request's progress; queue it for decoding, or preview it.
+        A step that left its index ``before`` in place, or moved it past the last
+        step, failed the request (the pipeline's way to fail one state of a
+        ``step_batch``); it is released with this step, as any failed here is."""
         request_id = state.request_id
+        if not before < state.step_index <= state.num_steps:
+            result.errors[request_id] = (
+                f"the pipeline's step moved the step index from {before} to "
+                f"{state.step_index} (of {state.num_steps})"
+            )
+            return
         result.progress[request_id] = (state.step_index, state.num_steps)
         if state.is_done:
             finished.append(state)
@@ -260,15 +272,10 @@ class ModelRunner:
     ) -> None:
         """Decode finished requests: together when the pipeline has ``post_decode_batch``."""
         if self._post_decode_batch is not None and len(states) > 1:
-            try:
-                images = self._post_decode_batch(states)
-                if len(images) != len(states):
-                    raise RuntimeError(
-                        f"post_decode_batch returned {len(images)} results for {len(states)} states"
-                    )
-            except Exception as exc:
-                _reraise_if_sticky(exc)
-                _fail_finished(result, states, exc)
+            images = _one_result_each(
+                self._post_decode_batch, states, result, ("post_decode_batch", "results")
+            )
+            if images is None:
                 return
             for state, image in zip(states, images, strict=True):
                 self._accept_images(state.request, image, result)
@@ -278,7 +285,7 @@ class ModelRunner:
                 self._accept_images(state.request, pipeline.post_decode(state), result)
             except Exception as exc:
                 _reraise_if_sticky(exc)
-                _fail_finished(result, [state], exc)
+                _fail_all(result, [state.request_id], exc)
 
     # -- shared ------------------------------------------------------------------------
 
@@ -305,15 +312,31 @@ def _fail_all(result: RunnerOutput, request_ids: Sequence[str], exc: Exception) 
     message = describe_error(exc)
     for request_id in request_ids:
         result.errors[request_id] = message
+        result.progress.pop(request_id, None)
 
 
-def _fail_finished(
-    result: RunnerOutput, states: Sequence[StepRequestState], exc: Exception
-) -> None:
-    message = describe_error(exc)
-    for state in states:
-        result.errors[state.request_id] = message
-        result.progress.pop(state.request_id, None)
+def _one_result_each(
+    call: Callable[[Sequence[StepRequestState]], Sequence[_Result]],
+    states: Sequence[StepRequestState],
+    result: RunnerOutput,
+    what: tuple[str, str],
+) -> Sequence[_Result] | None:
+    """``call(states)``: one pipeline call that returns one result per state, in
+    order; or None when it failed every state: it raised (a sticky device fault
+    is raised on) or returned another number. ``what``: the call's name and its
+    results' (for that error)."""
+    try:
+        produced = call(states)
+        if len(produced) != len(states):
+            name, results = what
+            raise RuntimeError(
+                f"{name} returned {len(produced)} {results} for {len(states)} states"
+            )
+    except Exception as exc:
+        _reraise_if_sticky(exc)
+        _fail_all(result, [state.request_id for state in states], exc)
+        return None
+    return produced
 
 
 def _check_images(images: object, request: PipelineRequest) -> str | None:

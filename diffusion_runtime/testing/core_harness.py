@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 import attrs
 import hypothesis.strategies as st
+from hypothesis.control import current_build_context
 from hypothesis.stateful import (
     Bundle,
     MultipleResults,
@@ -49,7 +50,7 @@ from diffusion_runtime.core import EngineCore, StepResult
 from diffusion_runtime.errors import DuplicateRequestError, EngineDeadError, RPCError
 from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
-from diffusion_runtime.fsm.events import DeliveryEvent, TraceEvent, WaveEvent
+from diffusion_runtime.fsm.events import DeliveryEvent, RunnerEvent, TraceEvent, WaveEvent
 from diffusion_runtime.fsm.trace import JsonlTraceWriter
 from diffusion_runtime.outputs import RequestOutput, images_digest
 from diffusion_runtime.sampling_params import MAX_PRIORITY, SamplingParams
@@ -83,6 +84,8 @@ class CoreLifecycleMachine(LifecycleHarness):
 
     #: Prompts whose request kills the executor (a sticky device fault).
     fatal_prompts: ClassVar[st.SearchStrategy[Any] | None] = None
+    #: ``pipeline_kwargs`` added to the config, drawn per example before the engine starts.
+    pipeline_options: ClassVar[st.SearchStrategy[dict[str, Any]] | None] = None
     rpc_timeouts: ClassVar[st.SearchStrategy[float | None]] = st.sampled_from([None, 1e-4, 5.0])
     # A tuple, so the function is not bound as a method of the machine.
     worker_killer: ClassVar[tuple[Callable[[EngineCore], None], ...]] = ()
@@ -97,6 +100,14 @@ class CoreLifecycleMachine(LifecycleHarness):
     def __init__(self) -> None:
         super().__init__()
         config = type(self).config_factory()
+        options: dict[str, Any] = {}
+        if self.pipeline_options is not None:  # the example's first draw (a blob replays it)
+            options = current_build_context().data.draw(self.pipeline_options)
+            config = attrs.evolve(config, pipeline_kwargs={**config.pipeline_kwargs, **options})
+        #: The drawn options, ending the names of paths that depend on them.
+        self.variant = "".join(f", {key}={value}" for key, value in sorted(options.items()))
+        if options:
+            self.reach.note(f"example: {self.variant[2:]}")
         config = attrs.evolve(config, worker_extensions=(*config.worker_extensions, PROBE_PATH))
         self.config = config
         executor = self.executor_cls(config) if self.executor_cls is not None else None
@@ -638,6 +649,8 @@ class CoreLifecycleMachine(LifecycleHarness):
                 self.reach.note("path: a request ended with its progress in flight")
         elif isinstance(event, DeliveryEvent) and event.finished and event.digest:
             self._delivery_digests[event.request_id] = event.digest
+        elif isinstance(event, RunnerEvent) and len(event.produced) > 1:
+            self.reach.note(f"path: a wave producing several requests' images{self.variant}")
         elif isinstance(event, WaveEvent):
             during_wave, self._during_wave = self._during_wave, None
             if during_wave is not None:
@@ -651,6 +664,8 @@ class CoreLifecycleMachine(LifecycleHarness):
             failing = {rid for rid in event.scheduled_ids if self._is_failing(rid)}
             if failing and len(failing) < len(event.scheduled_ids):
                 self.reach.note("path: a wave mixing failing and good requests")
+                for prompt in sorted({repr(self.records[rid].prompt) for rid in failing}):
+                    self.reach.note(f"path: a wave mixing {prompt} and good requests{self.variant}")
             if len(event.scheduled_ids) > 1:
                 self.reach.note("path: a wave of several requests")
 
@@ -711,6 +726,7 @@ def core_lifecycle_machine(
     params: st.SearchStrategy[SamplingParams] | None = None,
     failing_prompts: st.SearchStrategy[Any] | None = None,
     fatal_prompts: st.SearchStrategy[Any] | None = None,
+    pipeline_options: st.SearchStrategy[dict[str, Any]] | None = None,
     rpc_timeouts: st.SearchStrategy[float | None] | None = None,
     scheduler_cls: type[BaseScheduler] | None = None,
     executor_cls: type[DiffusionExecutor] | None = None,
@@ -724,6 +740,7 @@ def core_lifecycle_machine(
     ``prompts`` and ``params`` generate valid requests; ``failing_prompts``
     requests the pipeline is known to fail (they also excuse their wave
     mates); ``fatal_prompts`` requests whose device fault kills the executor;
+    ``pipeline_options`` ``pipeline_kwargs`` drawn per example;
     ``scheduler_cls`` and ``executor_cls`` plug in your own
     components; ``worker_killer`` kills a worker of a multi-process engine;
     ``oracle_tolerance`` allows an absolute difference from the direct run;
@@ -737,6 +754,7 @@ def core_lifecycle_machine(
         params=params,
         failing_prompts=failing_prompts,
         fatal_prompts=fatal_prompts,
+        pipeline_options=pipeline_options,
         rpc_timeouts=rpc_timeouts,
         scheduler_cls=scheduler_cls,
         executor_cls=executor_cls,

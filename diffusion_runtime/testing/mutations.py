@@ -38,6 +38,7 @@ from diffusion_runtime.testing.preemption_mutations import PREEMPTION_MUTATIONS
 from diffusion_runtime.testing.profiles import harness_settings
 from diffusion_runtime.testing.replay import ChoiceRecorder, record_failure
 from diffusion_runtime.testing.replay_file import NotReplayable, TargetRecipe
+from diffusion_runtime.testing.runner_mutations import RUNNER_MUTATIONS
 from diffusion_runtime.testing.stage_mutations import STAGE_MUTATIONS
 from diffusion_runtime.testing.targets import harness_for
 
@@ -274,6 +275,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     *STAGE_MUTATIONS,
     *GAP_MUTATIONS,
     *DELIVERY_MUTATIONS,
+    *RUNNER_MUTATIONS,
 )
 
 

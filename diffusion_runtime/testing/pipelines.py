@@ -85,9 +85,7 @@ class SeededNoisePipeline:
         return list(torch.split(pull, [s.latents.shape[0] for s in states]))
 
     def step_scheduler(self, state: StepRequestState, model_output: torch.Tensor) -> None:
-        remaining = state.timesteps[state.step_index]
-        x = state.latents + model_output * (1.0 / (remaining + 1))
-        state.latents = (x + x.roll(1, dims=-1) + x.roll(1, dims=-2)) / 3.0
+        state.latents = _pulled(state.latents, model_output, state.timesteps[state.step_index])
         state.step_index += 1
 
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
@@ -116,17 +114,27 @@ class FaultInjectingPipeline(SeededNoisePipeline):
     - ``"gate"``: the forward or step sets :attr:`gate_entered` and blocks
       until :attr:`gate_release` is set, so a test can act while it runs.
 
+    With ``batched_steps=True`` it also has the optional ``step_batch`` and
+    ``post_decode_batch`` (so the runner takes its batched path), with the same
+    images, bit for bit, and the same faults: a ``"bad-step"`` request's own
+    step fails it alone there too, by leaving its step index where it was
+    (``step_batch`` has no other way to fail one request without the rest).
+
     ``forward_batches`` and ``step_batches`` record the ids of every call.
     """
 
     GATE_TIMEOUT_S = 60.0
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, batched_steps: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gate_entered = threading.Event()
         self.gate_release = threading.Event()
         self.forward_batches: list[list[str]] = []
         self.step_batches: list[list[str]] = []
+        if batched_steps:
+            # Instance attributes: the runner looks the optional methods up by name.
+            self.step_batch = self._step_batch
+            self.post_decode_batch = self._post_decode_batch
 
     def forward(self, batch: Sequence[PipelineRequest]) -> Mapping[str, torch.Tensor]:
         self.forward_batches.append([request.request_id for request in batch])
@@ -147,6 +155,28 @@ class FaultInjectingPipeline(SeededNoisePipeline):
             raise ValueError("injected step failure")
         super().step_scheduler(state, model_output)
 
+    def _step_batch(self, states: Sequence[StepRequestState]) -> None:
+        """One step for every state: one denoiser call, then one scheduler step on the
+        stacked latents of each group of states at the same timestep."""
+        model_outputs = self.denoise_step(states)
+        groups: dict[int, list[int]] = {}
+        for i, state in enumerate(states):
+            if "bad-step" in str(state.request.prompt):
+                continue  # its own step fails: it does not advance
+            groups.setdefault(state.timesteps[state.step_index], []).append(i)
+        for remaining, rows in groups.items():
+            latents = torch.cat([states[i].latents for i in rows])
+            pull = torch.cat([model_outputs[i] for i in rows])
+            stepped = _pulled(latents, pull, remaining)
+            parts = torch.split(stepped, [states[i].latents.shape[0] for i in rows])
+            for i, part in zip(rows, parts, strict=True):
+                states[i].latents = part
+                states[i].step_index += 1
+
+    def _post_decode_batch(self, states: Sequence[StepRequestState]) -> list[torch.Tensor]:
+        decoded = torch.sigmoid(torch.cat([state.latents for state in states]))
+        return list(torch.split(decoded, [state.latents.shape[0] for state in states]))
+
     def _inject(self, prompts: list[Any]) -> None:
         words = " ".join(str(p) for p in prompts)
         if "gate" in words:
@@ -157,6 +187,12 @@ class FaultInjectingPipeline(SeededNoisePipeline):
             raise DeviceFault("injected device fault")
         if "fail" in words:
             raise RuntimeError("injected failure")
+
+
+def _pulled(latents: torch.Tensor, pull: torch.Tensor, remaining: int) -> torch.Tensor:
+    """One scheduler step of :class:`SeededNoisePipeline`, element-wise and per image."""
+    x = latents + pull * (1.0 / (remaining + 1))
+    return (x + x.roll(1, dims=-1) + x.roll(1, dims=-2)) / 3.0
 
 
 class NullPipeline:

@@ -82,6 +82,8 @@ def core_harness(mode: str, backend: str = "uni") -> type[CoreLifecycleMachine]:
         prompts=PROMPTS,
         failing_prompts=FAILING_PROMPTS,
         fatal_prompts=st.just("device-fault") if backend == "uni" else None,
+        # Half the examples step through step_batch and post_decode_batch (step mode).
+        pipeline_options=st.fixed_dictionaries({"batched_steps": st.sampled_from([True, False])}),
         params=params(mode),
         rpc_timeouts=RPC_TIMEOUTS,
     )
