@@ -74,6 +74,8 @@ FAST_SUBSET = {
     "restore-keeps-offload-entry",
     "deadline-drops-running",
     "preempted-deadline-forgotten",
+    "victims-last-joined",
+    "edf-ignores-priority",
     "stage-exit-skips-core-shutdown",
     "inbox-apart-from-pause",
     "missing-result-fails-wave",
@@ -342,6 +344,8 @@ def harness_for(target: str, mode: str) -> type[RuleBasedStateMachine]:
     deadline_targets = {
         "deadline-drop": lambda: deadline_harness("slo", "drop"),
         "deadline-run_late": lambda: deadline_harness("slo", "run_late"),
+        "deadline-edf": lambda: deadline_harness("edf", "drop"),
+        "deadline-priority": lambda: deadline_harness("priority", "drop"),
         "deadline-patient": patient_harness,
     }
     if target in deadline_targets:
@@ -360,6 +364,8 @@ def test_catalogue_is_large_and_named_uniquely() -> None:
         "preempt",
         "deadline-drop",
         "deadline-run_late",
+        "deadline-edf",
+        "deadline-priority",
         "deadline-patient",
         "stage",
         "user-scheduler",

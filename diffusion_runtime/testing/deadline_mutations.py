@@ -10,11 +10,16 @@ harness (:mod:`.deadline_harness`, in step mode: ``slo`` with the
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Any
 
 from diffusion_runtime.fsm import DEADLINE_REASON, LifecycleEvent, RequestStatus, Trigger
 from diffusion_runtime.scheduler.base import BaseScheduler, Ended
-from diffusion_runtime.scheduler.policies import SloAwarePolicy
+from diffusion_runtime.scheduler.policies import (
+    EarliestDeadlinePolicy,
+    PriorityPolicy,
+    SloAwarePolicy,
+)
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.testing.patching import replace_attribute as _replace
 from diffusion_runtime.testing.policy_mutations import MutationSpec, Patch
@@ -121,6 +126,65 @@ def running_set_closed_while_any_request_has_aged() -> Patch:
     return _replace(BaseScheduler, "plan", make)
 
 
+def preemption_victims_last_joined() -> Patch:
+    def make(original: Any) -> Any:
+        def plan(
+            self: BaseScheduler, now: float, *, may_preempt: bool
+        ) -> tuple[list[Request], list[Request]]:
+            if not (may_preempt and self.policy.preemptive and self.waiting):
+                return original(self, now, may_preempt=may_preempt)  # type: ignore[no-any-return]
+            candidates = [*self.running.values(), *self.waiting.values()]
+            chosen = self._choose_batch(
+                sorted(candidates, key=lambda r: self.effective_rank(r, now)), now
+            )
+            joining = [r for r in chosen if r.request_id not in self.running]
+            key = chosen[0].batch_key
+            of_key = [r for r in self.running.values() if r.batch_key == key]
+            others = [r for r in self.running.values() if r.batch_key != key]
+            # "preempt only what the joining requests need: the last to join makes room,
+            # as vLLM preempts (it has the least work to lose)"
+            excess = max(0, len(of_key) + len(joining) - self.max_num_running_reqs)
+            return [*others, *of_key[len(of_key) - excess :]], joining
+
+        return plan
+
+    return _replace(BaseScheduler, "plan", make)
+
+
+def priority_inverted() -> Patch:
+    def make(original: Any) -> Any:
+        def rank(self: PriorityPolicy, request: Request, now: float) -> tuple[float, ...]:
+            return (-request.params.priority,)  # "the higher the priority, the sooner"
+
+        return rank
+
+    return _replace(PriorityPolicy, "rank", make)
+
+
+def ties_keep_their_queue_position() -> Patch:
+    def make(original: Any) -> Any:
+        def effective_rank(self: BaseScheduler, request: Request, now: float) -> tuple[Any, ...]:
+            if self.is_aged(request, now):
+                return (0, request.order)
+            # "sorted() is stable: equal ranks keep their place, no tie-break needed"
+            return (1, tuple(self.policy.rank(request, now)))
+
+        return effective_rank
+
+    return _replace(BaseScheduler, "effective_rank", make)
+
+
+def edf_ignores_priority() -> Patch:
+    def make(original: Any) -> Any:
+        def rank(self: EarliestDeadlinePolicy, request: Request, now: float) -> tuple[float, ...]:
+            # "earliest deadline first; ties go to admission order"
+            return (math.inf if request.deadline is None else request.deadline,)
+
+        return rank
+
+    return _replace(EarliestDeadlinePolicy, "rank", make)
+
+
 #: ``(name, bug, mode, target, patch)``, run by the deadline harness; the target
 #: names the configuration: ``"deadline-drop"`` or ``"deadline-run_late"`` (``slo``
 #: with that ``deadline_miss``) or ``"deadline-patient"``.
@@ -139,4 +203,14 @@ DEADLINE_MUTATIONS: tuple[MutationSpec, ...] = (
     ("aged-closes-running-set", "a running set that does not preempt takes no request while "
      "any request has aged, even one of its own key", "step", "deadline-patient",
      running_set_closed_while_any_request_has_aged),
+    ("priority-inverted", "the priority policy runs the highest priority value first",
+     "step", "deadline-priority", priority_inverted),
+    ("victims-last-joined", "preemption makes room by preempting the running requests that "
+     "joined last, whatever their rank", "step", "deadline-priority",
+     preemption_victims_last_joined),
+    ("ties-keep-queue-position", "equal ranks are left in the order the scheduler lists them "
+     "(running, then the last preempted) instead of admission order", "step",
+     "deadline-priority", ties_keep_their_queue_position),
+    ("edf-ignores-priority", "edf breaks deadline ties by admission order, not priority",
+     "step", "deadline-edf", edf_ignores_priority),
 )  # fmt: skip
