@@ -437,17 +437,14 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
             return (deadlines[0], priorities[0]), (deadlines[1], priorities[1])
         if not isinstance(policy, SloAwarePolicy):
             return None
-        classes = first_class, second_class = (
-            self._slo_class(first, now),
-            self._slo_class(second, now),
-        )
+        first_class, second_class = self._slo_class(first, now), self._slo_class(second, now)
         if first_class is not None and second_class is not None and first_class != second_class:
             return (first_class,), (second_class,)
         if first_class == _ON_TIME and second_class in (_ON_TIME, None):
             # ``second`` is on time (the deadlines decide) or late (behind ``first``
             # whatever they say): ``first`` goes first if it would while both are on time.
             return (deadlines[0], priorities[0]), (deadlines[1], priorities[1])
-        if classes == (_NO_DEADLINE, _NO_DEADLINE):
+        if first_class == second_class == _NO_DEADLINE:
             return (priorities[0],), (priorities[1],)
         return None
 
@@ -466,13 +463,18 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
         if self._aged(left_out, now) or self._aged(chosen, now):
             return
         ranks = self._known_ranks(left_out, chosen, now)
+        policy = self.core.scheduler.policy
+        if isinstance(policy, SloAwarePolicy) and None in (
+            self._slo_class(left_out, now),
+            self._slo_class(chosen, now),
+        ):
+            ranks = None  # a bound, not the ranks: one may be late
         if ranks is not None and ranks[0][0] == ranks[1][0]:
             by = "priority" if ranks[0] != ranks[1] else "admission order"
             self.reach.note(f"path: a tie broken by {by}")
             if picked:
                 self.reach.note(f"path: a preemption tie broken by {by}")
         left_out_by, chosen_by = self._deadline_or_inf(left_out), self._deadline_or_inf(chosen)
-        policy = self.core.scheduler.policy
         if isinstance(policy, SloAwarePolicy):
             if left_out_by < chosen_by and self._surely_late(left_out, now):
                 self.reach.note("path: slo demoted a late request")

@@ -1,10 +1,11 @@
-"""Broken deadlines and aging: bugs in when a late request is dropped, where the
-``slo`` policy ranks it, and how a running set that does not preempt lets an
-aged request through. Each is written the way it would slip in; the deadline
-harness (:mod:`.deadline_harness`, in step mode: ``slo`` with the
-``deadline_miss`` its target names, or, for ``"deadline-patient"``,
-:class:`~.deadline_harness.PatientEarliestDeadline`) must catch each, and
-``docs/auditing.md`` says which check does.
+"""Broken deadlines, aging and ranking: bugs in when a late request is dropped,
+where the ``slo`` policy ranks it, how a running set that does not preempt
+lets an aged request through, whom preemption picks and how a policy breaks
+ties. Each is written the way it would slip in; the deadline harness
+(:mod:`.deadline_harness`, in step mode: ``slo`` with the ``deadline_miss``
+its target names, ``edf`` or ``priority`` with ``"drop"``, or, for
+``"deadline-patient"``, :class:`~.deadline_harness.PatientEarliestDeadline`)
+must catch each, and ``docs/auditing.md`` says which check does.
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ def edf_ignores_priority() -> Patch:
 
 #: ``(name, bug, mode, target, patch)``, run by the deadline harness; the target
 #: names the configuration: ``"deadline-drop"`` or ``"deadline-run_late"`` (``slo``
-#: with that ``deadline_miss``) or ``"deadline-patient"``.
+#: with that ``deadline_miss``), ``"deadline-edf"`` or ``"deadline-priority"`` (that
+#: policy, ``"drop"``) or ``"deadline-patient"``.
 DEADLINE_MUTATIONS: tuple[MutationSpec, ...] = (
     ("deadline-drops-running", "the deadline drop also aborts running requests", "step",
      "deadline-drop", drop_hits_running_requests),
