@@ -74,7 +74,7 @@ FAST_SUBSET = {
     "restore-keeps-offload-entry",
     "deadline-drops-running",
     "preempted-deadline-forgotten",
-    "victims-last-joined",
+    "victim-ties-preempt-oldest",
     "edf-ignores-priority",
     "stage-exit-skips-core-shutdown",
     "inbox-apart-from-pause",

@@ -127,7 +127,7 @@ def running_set_closed_while_any_request_has_aged() -> Patch:
     return _replace(BaseScheduler, "plan", make)
 
 
-def preemption_victims_last_joined() -> Patch:
+def preemption_ties_preempt_the_oldest() -> Patch:
     def make(original: Any) -> Any:
         def plan(
             self: BaseScheduler, now: float, *, may_preempt: bool
@@ -142,10 +142,13 @@ def preemption_victims_last_joined() -> Patch:
             key = chosen[0].batch_key
             of_key = [r for r in self.running.values() if r.batch_key == key]
             others = [r for r in self.running.values() if r.batch_key != key]
-            # "preempt only what the joining requests need: the last to join makes room,
-            # as vLLM preempts (it has the least work to lose)"
+            # "preempt only what the joining requests need: the worst-ranked make room
+            # (by aging and rank; the admission order after them only orders the queue)"
             excess = max(0, len(of_key) + len(joining) - self.max_num_running_reqs)
-            return [*others, *of_key[len(of_key) - excess :]], joining
+            worst_first = sorted(
+                of_key, key=lambda r: self.effective_rank(r, now)[:2], reverse=True
+            )
+            return [*others, *worst_first[:excess]], joining
 
         return plan
 
@@ -207,9 +210,9 @@ DEADLINE_MUTATIONS: tuple[MutationSpec, ...] = (
      running_set_closed_while_any_request_has_aged),
     ("priority-inverted", "the priority policy runs the highest priority value first",
      "step", "deadline-priority", priority_inverted),
-    ("victims-last-joined", "preemption makes room by preempting the running requests that "
-     "joined last, whatever their rank", "step", "deadline-priority",
-     preemption_victims_last_joined),
+    ("victim-ties-preempt-oldest", "preemption makes room among running requests of equal "
+     "rank by preempting the earliest to join, not the latest admitted", "step",
+     "deadline-priority", preemption_ties_preempt_the_oldest),
     ("ties-keep-queue-position", "equal ranks are left in the order the scheduler lists them "
      "(running, then the last preempted) instead of admission order", "step",
      "deadline-priority", ties_keep_their_queue_position),
