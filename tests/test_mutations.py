@@ -69,6 +69,8 @@ FAST_SUBSET = {
     "restore-keeps-offload-entry",
     "deadline-drops-running",
     "preempted-deadline-forgotten",
+    "victim-ties-preempt-oldest",
+    "edf-ignores-priority",
     "stage-exit-skips-core-shutdown",
     "inbox-apart-from-pause",
     "missing-result-fails-wave",
@@ -150,6 +152,15 @@ REQUIRED_REACH = {
         "path: dropped at its deadline while preempted": 8,
         "path: a deadline fell exactly on a step": 5,
         "path: an aged request ran first": 30,
+        "path: a tie broken by priority": 200,
+        "path: part of the running set preempted": 25,
+    },
+    "deadline-priority-drop": {
+        "path: part of the running set preempted": 40,
+        "path: a tie broken by admission order": 200,
+        "path: a preemption tie broken by admission order": 8,
+        "path: dropped at its deadline while preempted": 20,
+        "path: an aged request ran first": 60,
     },
     "deadline-patient": {
         "path: a running set with room held a request back for an aged one": 10,
@@ -217,7 +228,8 @@ def test_a_users_preempting_scheduler_preempts_under_the_default_rules() -> None
 
 
 @pytest.mark.parametrize(
-    ("policy", "miss"), [("slo", "drop"), ("slo", "run_late"), ("edf", "drop")]
+    ("policy", "miss"),
+    [("slo", "drop"), ("slo", "run_late"), ("edf", "drop"), ("priority", "drop")],
 )
 def test_the_real_runtime_meets_deadlines_on_a_virtual_clock(policy: str, miss: str) -> None:
     required = REQUIRED_REACH[f"deadline-{policy}-{miss}"]

@@ -8,8 +8,11 @@ only by rules (a drawn number of ticks) and during waves (each wave takes
 a drawn time, zero included), so every deadline, drop, aging decision and
 step cost depends on draws alone, and a deadline can fall exactly on a step.
 Requests draw ``deadline_s`` (or none) and priorities; a rule sends a full
-wave of requests due in one tick, and (under a policy that does not preempt)
-one lets a waiting request age beside a running set of another key.
+wave of requests due in one tick; one (under a preemptive policy) fills the
+running set with requests of one key and drawn ranks and then sends fewer
+requests that outrank them than it holds, so only part of it is preempted;
+and one (under a policy that does not preempt) lets a waiting request age
+beside a running set of another key.
 
 Beyond what the core and preemptive harnesses check, after every rule:
 
@@ -25,10 +28,16 @@ Beyond what the core and preemptive harnesses check, after every rule:
   admitted after an aged one left out may join it, and while it has room every
   waiting request of its key admitted before the first aged one of another
   key joins it), and no left-out request
-  of the wave's key outranks one the policy chose for it (aged before young,
-  then by deadline for ``edf`` and :class:`PatientEarliestDeadline`, ``slo``
-  an on-time request or one without a deadline before a late one; without
-  preemption only the requests that join the wave were chosen).
+  of the wave's key outranks one the policy chose for it, by the policy's
+  full order, tie-breaks included: aged before young, aged ones in admission
+  order; then ``priority`` by priority, ``edf`` (and
+  :class:`PatientEarliestDeadline`) by deadline (none: last) then priority,
+  ``slo`` on time by deadline then priority, then without a deadline by
+  priority, then late (the harness compares only where the cost model
+  cannot change the order); then admission order. Without preemption only
+  the requests that join the wave were chosen. So a request preempted for a
+  wave never outranks one of its key the wave kept running: preemption
+  picks the worst-ranked.
 
 Lifecycle event times stay on the real clock; deadlines are compared only
 with the virtual time of the step, here.
@@ -55,15 +64,23 @@ from diffusion_runtime.fsm import (
     RequestStatus,
 )
 from diffusion_runtime.fsm.events import TraceEvent, WaveEvent
-from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.sampling_params import MAX_PRIORITY, SamplingParams
 from diffusion_runtime.scheduler.cost_meter import START_WINDOW_WAVES
-from diffusion_runtime.scheduler.policies import EarliestDeadlinePolicy, SloAwarePolicy
+from diffusion_runtime.scheduler.policies import (
+    EarliestDeadlinePolicy,
+    PriorityPolicy,
+    Rank,
+    SloAwarePolicy,
+)
 from diffusion_runtime.scheduler.step_cost import DEFAULT_STEP_S, IDLE_AFTER_S
 from diffusion_runtime.testing.core_harness import CoreLifecycleMachine
 from diffusion_runtime.testing.virtual_clock import VirtualClock
 
 #: The harness's unit of virtual time: a binary fraction, so sums of ticks are exact.
 TICK_S = 2.0**-8
+
+#: The ``slo`` classes, best first, as :class:`SloAwarePolicy` states them.
+_ON_TIME, _NO_DEADLINE, _LATE = 0, 1, 2
 
 
 class PatientEarliestDeadline(EarliestDeadlinePolicy):
@@ -165,6 +182,38 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
                 deadline_s=data.draw(st.integers(1, 4), label="urgent ticks") * TICK_S,
                 num_inference_steps=max(p.num_inference_steps for p in active),
             ),
+        )
+
+    @precondition(
+        lambda self: (
+            self._alive and self.core.scheduler.policy.preemptive and self.config.max_num_seqs > 1
+        )
+    )
+    @rule(data=st.data())
+    def preempt_part_of_a_running_set(self, data: st.DataObject) -> None:
+        """Requests of one batch key, each with a drawn priority and deadline, fill the
+        running set; a step, then fewer requests of that key than the running set
+        holds arrive, outranking every active one (a better priority, due in a few
+        ticks), and a step: a preemptive policy preempts only part of the running
+        set, and must pick the worst-ranked."""
+        base = data.draw(self.params)
+        active = sum(1 for rid in self.records if self._is_active(rid))
+        for _ in range(max(0, self.config.max_num_seqs - active)):
+            params = attrs.evolve(
+                base,
+                priority=data.draw(st.integers(0, 3), label="priority"),
+                deadline_s=data.draw(tick_deadlines(), label="deadline"),
+            )
+            self._add(data, data.draw(self.prompts), params, failing=False)
+        urgent = data.draw(st.integers(1, self.config.max_num_seqs - 1), label="urgent requests")
+        self._add_a_wave_between_steps(
+            data,
+            lambda _drawn, active: attrs.evolve(
+                base,
+                priority=max(min(p.priority for p in active) - 1, -MAX_PRIORITY),
+                deadline_s=data.draw(st.integers(1, 4), label="urgent ticks") * TICK_S,
+            ),
+            urgent,
         )
 
     @precondition(
@@ -293,6 +342,10 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
                 self.deadline_problems.append(
                     f"wave {event.wave_id} left out {oldest!r}, the oldest aged request"
                 )
+        preempted = [rid for rid in self.preempted_since_wave if rid in left_out]
+        kept_keys = {active[rid].batch_key for rid in continued}
+        if any(active[rid].batch_key in kept_keys for rid in preempted):
+            self.reach.note("path: part of the running set preempted")
         for waiting in left_out:
             if order[waiting] > may_join_before:
                 continue  # it may not join: an aged request admitted before it is left out
@@ -300,13 +353,16 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
             for rid in chosen:
                 if active[rid].batch_key != key:
                     continue
+                # Whom preemption picked: one preempted for this wave, one kept running.
+                picked = waiting in preempted and rid in continued
                 if self._outranks(waiting, rid, now):
                     self.deadline_problems.append(
                         f"wave {event.wave_id} ({type(self.core.scheduler.policy).__name__}) "
-                        f"ran {rid!r} (deadline {self.deadlines[rid]}) and left out "
-                        f"{waiting!r} (deadline {self.deadlines[waiting]}) at {now}"
+                        f"ran {rid!r} ({self._describe(rid)}) and "
+                        f"{'preempted' if picked else 'left out'} {waiting!r}, which "
+                        f"outranks it ({self._describe(waiting)}) at {now}"
                     )
-                self._note_policy_paths(waiting, rid, now)
+                self._note_policy_paths(waiting, rid, now, picked)
 
     def _check_a_running_set_drains(
         self,
@@ -347,35 +403,95 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
                 self.reach.note("path: a running set with room held a request back for an aged one")
         return first
 
-    def _outranks(self, waiting: str, chosen: str, now: float) -> bool:
-        """Whether the policy must run ``waiting`` before ``chosen`` (same batch key)."""
-        waiting_aged, chosen_aged = self._aged(waiting, now), self._aged(chosen, now)
-        if waiting_aged or chosen_aged:
-            order = self.admission_order
-            return waiting_aged and (not chosen_aged or order[waiting] < order[chosen])
-        policy = self.core.scheduler.policy
-        if isinstance(policy, EarliestDeadlinePolicy):
-            return self._deadline_or_inf(waiting) < self._deadline_or_inf(chosen)
-        if isinstance(policy, SloAwarePolicy):
-            return self._surely_late(chosen, now) and self._surely_on_time(waiting, now)
-        return False
+    def _outranks(self, left_out: str, chosen: str, now: float) -> bool:
+        """Whether the policy must run ``left_out`` before ``chosen`` (same batch key),
+        by its full order: an aged request before a younger one, aged ones in
+        admission order; then the policy's rank with its tie-breaks (see
+        :meth:`_known_ranks`); then admission order."""
+        left_out_aged, chosen_aged = self._aged(left_out, now), self._aged(chosen, now)
+        order = self.admission_order
+        if left_out_aged or chosen_aged:
+            return left_out_aged and (not chosen_aged or order[left_out] < order[chosen])
+        ranks = self._known_ranks(left_out, chosen, now)
+        return ranks is not None and (*ranks[0], order[left_out]) < (*ranks[1], order[chosen])
 
-    def _note_policy_paths(self, waiting: str, chosen: str, now: float) -> None:
-        if self._aged(waiting, now) or self._aged(chosen, now):
-            return
-        waiting_by, chosen_by = self._deadline_or_inf(waiting), self._deadline_or_inf(chosen)
+    def _known_ranks(self, first: str, second: str, now: float) -> tuple[Rank, Rank] | None:
+        """The ranks of two young requests as the policy states them, to compare
+        before their admission order; ``None`` where the harness cannot know them.
+
+        ``priority``: the priority. ``edf`` (any :class:`EarliestDeadlinePolicy`):
+        the deadline (none: last), then the priority. ``slo``: on time (by the
+        deadline, then the priority), then without a deadline (by the priority),
+        then late (by the remaining time the cost model estimates, then the
+        priority). Whether a request is on time also rests on the cost model: the
+        harness knows it only of one sure to be on time or sure to be late (see
+        :meth:`_slo_class`), and compares the ranks of two requests only where the
+        order cannot depend on what it does not know.
+        """
         policy = self.core.scheduler.policy
+        priorities = (self._priority(first), self._priority(second))
+        if isinstance(policy, PriorityPolicy):
+            return (priorities[0],), (priorities[1],)
+        deadlines = (self._deadline_or_inf(first), self._deadline_or_inf(second))
+        if isinstance(policy, EarliestDeadlinePolicy):
+            return (deadlines[0], priorities[0]), (deadlines[1], priorities[1])
+        if not isinstance(policy, SloAwarePolicy):
+            return None
+        first_class, second_class = self._slo_class(first, now), self._slo_class(second, now)
+        if first_class is not None and second_class is not None and first_class != second_class:
+            return (first_class,), (second_class,)
+        if first_class == _ON_TIME and second_class in (_ON_TIME, None):
+            # ``second`` is on time (the deadlines decide) or late (behind ``first``
+            # whatever they say): ``first`` goes first if it would while both are on time.
+            return (deadlines[0], priorities[0]), (deadlines[1], priorities[1])
+        if first_class == second_class == _NO_DEADLINE:
+            return (priorities[0],), (priorities[1],)
+        return None
+
+    def _slo_class(self, rid: str, now: float) -> int | None:
+        """``rid``'s ``slo`` class where it is sure (``None``: on time or late, as the
+        cost model judges)."""
+        if self.deadlines[rid] is None:
+            return _NO_DEADLINE
+        if self._surely_late(rid, now):
+            return _LATE
+        return _ON_TIME if self._surely_on_time(rid, now) else None
+
+    def _note_policy_paths(self, left_out: str, chosen: str, now: float, picked: bool) -> None:
+        """Notes the paths of a pair the policy check compared; ``picked``: preemption
+        chose between them (``left_out`` preempted, ``chosen`` kept running)."""
+        if self._aged(left_out, now) or self._aged(chosen, now):
+            return
+        ranks = self._known_ranks(left_out, chosen, now)
+        policy = self.core.scheduler.policy
+        if isinstance(policy, SloAwarePolicy) and None in (
+            self._slo_class(left_out, now),
+            self._slo_class(chosen, now),
+        ):
+            ranks = None  # a bound, not the ranks: one may be late
+        if ranks is not None and ranks[0][0] == ranks[1][0]:
+            by = "priority" if ranks[0] != ranks[1] else "admission order"
+            self.reach.note(f"path: a tie broken by {by}")
+            if picked:
+                self.reach.note(f"path: a preemption tie broken by {by}")
+        left_out_by, chosen_by = self._deadline_or_inf(left_out), self._deadline_or_inf(chosen)
         if isinstance(policy, SloAwarePolicy):
-            if waiting_by < chosen_by and self._surely_late(waiting, now):
+            if left_out_by < chosen_by and self._surely_late(left_out, now):
                 self.reach.note("path: slo demoted a late request")
-        elif isinstance(policy, EarliestDeadlinePolicy) and chosen_by < waiting_by:
-            if waiting in self.preempted_since_wave:
+        elif isinstance(policy, EarliestDeadlinePolicy) and chosen_by < left_out_by:
+            if left_out in self.preempted_since_wave:
                 self.reach.note("path: edf preempted for an earlier deadline")
             elif (
                 not policy.preemptive
-                and self.admission_order[chosen] > self.admission_order[waiting]
+                and self.admission_order[chosen] > self.admission_order[left_out]
             ):
                 self.reach.note("path: a younger request went first by its deadline")
+
+    def _describe(self, rid: str) -> str:
+        return (
+            f"admitted #{self.admission_order[rid]}, priority {self._priority(rid)}, "
+            f"deadline {self.deadlines[rid]}, arrived {self.arrivals[rid]}"
+        )
 
     # -- time --------------------------------------------------------------------------
 
@@ -428,6 +544,9 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
 
     def _aged(self, rid: str, now: float) -> bool:
         return now - self.arrivals[rid] >= self.config.scheduling_aging_s
+
+    def _priority(self, rid: str) -> int:
+        return self.records[rid].params.priority
 
     def _deadline_or_inf(self, rid: str) -> float:
         deadline = self.deadlines[rid]

@@ -1,20 +1,26 @@
-"""Broken deadlines and aging: bugs in when a late request is dropped, where the
-``slo`` policy ranks it, and how a running set that does not preempt lets an
-aged request through. Each is written the way it would slip in; the deadline
-harness (:mod:`.deadline_harness`, in step mode: ``slo`` with the
-``deadline_miss`` its target names, or, for ``"deadline-patient"``,
-:class:`~.deadline_harness.PatientEarliestDeadline`) must catch each, and
-``docs/auditing.md`` says which check does.
+"""Broken deadlines, aging and ranking: bugs in when a late request is dropped,
+where the ``slo`` policy ranks it, how a running set that does not preempt
+lets an aged request through, whom preemption picks and how a policy breaks
+ties. Each is written the way it would slip in; the deadline harness
+(:mod:`.deadline_harness`, in step mode: ``slo`` with the ``deadline_miss``
+its target names, ``edf`` or ``priority`` with ``"drop"``, or, for
+``"deadline-patient"``, :class:`~.deadline_harness.PatientEarliestDeadline`)
+must catch each, and ``docs/auditing.md`` says which check does.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Any
 
 from diffusion_runtime.fsm import DEADLINE_REASON, LifecycleEvent, RequestStatus, Trigger
 from diffusion_runtime.scheduler.base import BaseScheduler, Ended
-from diffusion_runtime.scheduler.policies import SloAwarePolicy
+from diffusion_runtime.scheduler.policies import (
+    EarliestDeadlinePolicy,
+    PriorityPolicy,
+    SloAwarePolicy,
+)
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.testing.mutation import Mutation, Patch
 from diffusion_runtime.testing.patching import replace_attribute as _replace
@@ -121,8 +127,71 @@ def running_set_closed_while_any_request_has_aged() -> Patch:
     return _replace(BaseScheduler, "plan", make)
 
 
+def preemption_ties_preempt_the_oldest() -> Patch:
+    def make(original: Any) -> Any:
+        def plan(
+            self: BaseScheduler, now: float, *, may_preempt: bool
+        ) -> tuple[list[Request], list[Request]]:
+            if not (may_preempt and self.policy.preemptive and self.waiting):
+                return original(self, now, may_preempt=may_preempt)  # type: ignore[no-any-return]
+            candidates = [*self.running.values(), *self.waiting.values()]
+            chosen = self._choose_batch(
+                sorted(candidates, key=lambda r: self.effective_rank(r, now)), now
+            )
+            joining = [r for r in chosen if r.request_id not in self.running]
+            key = chosen[0].batch_key
+            of_key = [r for r in self.running.values() if r.batch_key == key]
+            others = [r for r in self.running.values() if r.batch_key != key]
+            # "preempt only what the joining requests need: the worst-ranked make room
+            # (by aging and rank; the admission order after them only orders the queue)"
+            excess = max(0, len(of_key) + len(joining) - self.max_num_running_reqs)
+            worst_first = sorted(
+                of_key, key=lambda r: self.effective_rank(r, now)[:2], reverse=True
+            )
+            return [*others, *worst_first[:excess]], joining
+
+        return plan
+
+    return _replace(BaseScheduler, "plan", make)
+
+
+def priority_inverted() -> Patch:
+    def make(original: Any) -> Any:
+        def rank(self: PriorityPolicy, request: Request, now: float) -> tuple[float, ...]:
+            return (-request.params.priority,)  # "the higher the priority, the sooner"
+
+        return rank
+
+    return _replace(PriorityPolicy, "rank", make)
+
+
+def ties_keep_their_queue_position() -> Patch:
+    def make(original: Any) -> Any:
+        def effective_rank(self: BaseScheduler, request: Request, now: float) -> tuple[Any, ...]:
+            if self.is_aged(request, now):
+                return (0, request.order)
+            # "sorted() is stable: equal ranks keep their place, no tie-break needed"
+            return (1, tuple(self.policy.rank(request, now)))
+
+        return effective_rank
+
+    return _replace(BaseScheduler, "effective_rank", make)
+
+
+def edf_ignores_priority() -> Patch:
+    def make(original: Any) -> Any:
+        def rank(self: EarliestDeadlinePolicy, request: Request, now: float) -> tuple[float, ...]:
+            # "earliest deadline first; ties go to admission order"
+            return (math.inf if request.deadline is None else request.deadline,)
+
+        return rank
+
+    return _replace(EarliestDeadlinePolicy, "rank", make)
+
+
 #: Run by the deadline harness; the target names the configuration: ``"deadline-drop"``
-#: or ``"deadline-run_late"`` (``slo`` with that ``deadline_miss``) or ``"deadline-patient"``.
+#: or ``"deadline-run_late"`` (``slo`` with that ``deadline_miss``), ``"deadline-edf"`` or
+#: ``"deadline-priority"`` (that policy, ``"drop"``) or ``"deadline-patient"``.
 DEADLINE_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="deadline-drops-running", mode="step", target="deadline-drop",
              bug="the deadline drop also aborts running requests",
@@ -144,4 +213,18 @@ DEADLINE_MUTATIONS: tuple[Mutation, ...] = (
              bug="a running set that does not preempt takes no request while any request has "
                  "aged, even one of its own key",
              patch=running_set_closed_while_any_request_has_aged),
+    Mutation(name="priority-inverted", mode="step", target="deadline-priority",
+             bug="the priority policy runs the highest priority value first",
+             patch=priority_inverted),
+    Mutation(name="victim-ties-preempt-oldest", mode="step", target="deadline-priority",
+             bug="preemption makes room among running requests of equal rank by preempting "
+                 "the earliest to join, not the latest admitted",
+             patch=preemption_ties_preempt_the_oldest),
+    Mutation(name="ties-keep-queue-position", mode="step", target="deadline-priority",
+             bug="equal ranks are left in the order the scheduler lists them (running, then "
+                 "the last preempted) instead of admission order",
+             patch=ties_keep_their_queue_position),
+    Mutation(name="edf-ignores-priority", mode="step", target="deadline-edf",
+             bug="edf breaks deadline ties by admission order, not priority",
+             patch=edf_ignores_priority),
 )  # fmt: skip

@@ -216,6 +216,8 @@ HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "user-scheduler": lambda mode: user_scheduler_harness(),
     "deadline-drop": lambda mode: deadline_harness("slo", "drop"),
     "deadline-run_late": lambda mode: deadline_harness("slo", "run_late"),
+    "deadline-edf": lambda mode: deadline_harness("edf", "drop"),
+    "deadline-priority": lambda mode: deadline_harness("priority", "drop"),
     "deadline-patient": lambda mode: patient_harness(),
     "front": front_harness,
     "lockstep": lockstep_harness,
