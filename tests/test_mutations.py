@@ -197,6 +197,14 @@ def test_catalogue_is_large_and_named_uniquely() -> None:
     assert {m.name for m in CATALOGUE} >= FAST_SUBSET
 
 
+@pytest.mark.parametrize("mutation", CATALOGUE, ids=lambda m: m.name)
+def test_every_patch_still_applies(mutation: Mutation) -> None:
+    """A patch whose method is gone would fail every hunt at once: it must apply
+    (the hunt raises on it rather than count it caught)."""
+    with mutation.patch():
+        pass
+
+
 def passes_and_reaches(
     machine: type[RuleBasedStateMachine], examples: int, required: dict[str, int]
 ) -> None:

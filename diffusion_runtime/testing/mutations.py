@@ -337,12 +337,13 @@ def hunt(
     patch = mutation.patch() if mutation is not None else contextlib.nullcontext()
     machine.__init__ = counting_init  # type: ignore[method-assign]
     try:
-        with patch:
-            run_state_machine_as_test(machine, settings=settings)
-    except Exception as exc:
-        if replay_dir is not None:
-            record_failure(exc, replay_dir, recipe, settings, recorder)
-        return examples
+        with patch:  # a patch that no longer applies raises here: it is no catch
+            try:
+                run_state_machine_as_test(machine, settings=settings)
+            except Exception as exc:
+                if replay_dir is not None:
+                    record_failure(exc, replay_dir, recipe, settings, recorder)
+                return examples
     finally:
         machine.__init__ = original_init  # type: ignore[method-assign]
     return None

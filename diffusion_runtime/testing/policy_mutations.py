@@ -122,16 +122,18 @@ def completes_one_step_early() -> Patch:
 
 def first_step_taken_twice() -> Patch:
     def make(original: Any) -> Any:
-        def advance(
-            self: ModelRunner, pipeline: StepPipeline, state: Any, output: Any, result: Any
+        def run_step(
+            self: ModelRunner, pipeline: StepPipeline, batch: Any, before: list[int], result: Any
         ) -> None:
-            if state.step_index == 0 and state.num_steps > 2:  # "warm start: two steps at first"
-                pipeline.step_scheduler(state, output)
-            original(self, pipeline, state, output, result)
+            for state, step_index in zip(batch, before, strict=True):
+                if step_index == 0 and state.num_steps > 2:  # "warm start: two steps at first"
+                    [model_output] = pipeline.denoise_step([state])
+                    pipeline.step_scheduler(state, model_output)
+            original(self, pipeline, batch, before, result)
 
-        return advance
+        return run_step
 
-    return _replace(ModelRunner, "_advance", make)
+    return _replace(ModelRunner, "_run_step_by_request", make)
 
 
 def one_step_short() -> Patch:
