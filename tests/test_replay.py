@@ -121,6 +121,28 @@ def test_a_failing_test_case_replays_until_its_bug_is_fixed(
     assert "did not reproduce: " in out and "first reported: AssertionError: INV-007" in out
 
 
+def test_a_failing_front_test_case_replays_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], test_module_unloaded: None
+) -> None:
+    """The threaded front harness writes a replay file like the core's, and the
+    replay reruns the front harness with the same draws."""
+    module = tmp_path / f"{OVERFULL_MODULE}.py"
+    module.write_text(
+        OVERFULL.replace(
+            "    scheduler_cls=Overfull,", '    target="front",\n    scheduler_cls=Overfull,'
+        )
+    )
+    run = run_pytest(tmp_path, f"{module.name}")
+    output = run.stdout + run.stderr
+    assert "1 failed" in output, output
+    replay = tmp_path / "replays" / f"{OVERFULL_MODULE}.TestOverfull.replay.json"
+    assert f"rerun it with: diffusion-runtime audit --replay {replay}" in output, output
+    code, out, err = audit(capsys, "--replay", str(replay))
+    assert code == 1, out + err
+    assert "state = ConfiguredLifecycle()" in out, out
+    assert "failure: AssertionError: INV-007" in out, out
+
+
 FLAKY = """
 import itertools
 from pathlib import Path
@@ -280,7 +302,7 @@ def replay_file(tmp_path: Path, **changes: Any) -> Path:
         ),
         (
             {"recipe": {"type": "test_case", "target": {"target": "os:getcwd"}}},
-            "recipe.target: 'os:getcwd' is not a core harness test case",
+            "recipe.target: 'os:getcwd' is not a harness test case",
         ),
         (
             {

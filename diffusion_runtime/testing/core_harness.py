@@ -56,7 +56,7 @@ from diffusion_runtime.outputs import RequestOutput, images_digest
 from diffusion_runtime.sampling_params import MAX_PRIORITY, SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.testing.copies_in_flight import CopiesInFlight
-from diffusion_runtime.testing.harness_root import LifecycleHarness, configured
+from diffusion_runtime.testing.harness_root import HarnessRoot, configured
 from diffusion_runtime.testing.oracle import FailureScope
 from diffusion_runtime.testing.probes import PROBE_PATH
 
@@ -78,7 +78,7 @@ class RequestRecord:
     waves: set[int] = attrs.field(factory=set)
 
 
-class CoreLifecycleMachine(LifecycleHarness):
+class CoreLifecycleMachine(HarnessRoot):
     """The harness over an :class:`EngineCore`; configure it with
     :func:`core_lifecycle_machine` or subclass it."""
 

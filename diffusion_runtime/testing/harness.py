@@ -10,7 +10,7 @@ to every event. After every step it checks the auditor found nothing and
 that no state is left for finished requests; at the end, that every admitted
 request reached exactly one terminal state, and that every completed output
 equals the pipeline's own output for it, called directly (the checks of
-:class:`~diffusion_runtime.testing.harness_root.LifecycleHarness`, the root
+:class:`~diffusion_runtime.testing.harness_root.HarnessRoot`, the root
 every harness shares). What a front cannot offer (see
 :class:`~diffusion_runtime.testing.fronts.FrontCapabilities`) switches the
 rules and checks that need it off.
@@ -36,7 +36,6 @@ from hypothesis import settings as Settings
 from hypothesis.stateful import (
     Bundle,
     MultipleResults,
-    RuleBasedStateMachine,
     invariant,
     multiple,
     precondition,
@@ -59,7 +58,7 @@ from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.testing.core_harness import core_lifecycle_machine
 from diffusion_runtime.testing.fronts import EngineFront, HarnessFront
-from diffusion_runtime.testing.harness_root import LifecycleHarness, configured
+from diffusion_runtime.testing.harness_root import HarnessRoot, configured
 from diffusion_runtime.testing.replay import replayable_test_case
 from diffusion_runtime.testing.stage_front import StageFront
 
@@ -70,7 +69,7 @@ DEFAULT_REPLAY_DIR = Path(tempfile.gettempdir()) / "diffusion-runtime-replays"
 FrontFactory = Callable[[EngineConfig, asyncio.AbstractEventLoop], HarnessFront]
 
 
-class EngineLifecycleMachine(LifecycleHarness):
+class EngineLifecycleMachine(HarnessRoot):
     """The harness; configure it with :func:`lifecycle_machine` or subclass it.
 
     Override :meth:`build_engine` to keep a handle on the pipeline you pass
@@ -514,32 +513,31 @@ def lifecycle_test_case(
     """A ``unittest``/pytest test case running a harness over engines built from ``config()``.
 
     ``target="core"`` (the default) drives an engine core step by step,
-    deterministically (options: ``core_lifecycle_machine``); a failure writes
-    a replay file (in ``replay_dir``, by default the temporary directory's
-    ``diffusion-runtime-replays``) that ``diffusion-runtime audit --replay``
-    reruns. ``target="front"`` drives a :class:`DiffusionEngine` through its
+    deterministically (options: ``core_lifecycle_machine``).
+    ``target="front"`` drives a :class:`DiffusionEngine` through its
     async API and threads (options: :func:`lifecycle_machine`);
     ``target="stage"`` drives a :class:`~diffusion_runtime.stage.StageClient`
     and its stage process the same way, auditing the stage's trace once it
     has shut down (the same options, less the engine's own components;
-    ``config()`` must be spawnable, see ``docs/stage.md``).
+    ``config()`` must be spawnable, see ``docs/stage.md``). On every target a
+    failure writes a replay file (in ``replay_dir``, by default the temporary
+    directory's ``diffusion-runtime-replays``) that ``diffusion-runtime audit
+    --replay`` reruns.
     """
-    machine: type[RuleBasedStateMachine]
+    machine: type[HarnessRoot]
     if target == "core":
         machine = core_lifecycle_machine(config, **options)
-        # Named after the caller's module, as namedtuple does, so a replay finds it there.
-        module = sys._getframe(1).f_globals.get("__name__", "__main__")
-        case = replayable_test_case(machine, module, replay_dir or DEFAULT_REPLAY_DIR)
     elif target == "front":
         machine = lifecycle_machine(config, **options)
-        case = machine.TestCase
     elif target == "stage":
         machine = lifecycle_machine(config, front=StageFront, **options)
-        case = machine.TestCase
     else:
         raise InvalidFieldError(
             "lifecycle_test_case", "target", f"must be one of {TARGETS}", target
         )
+    # Named after the caller's module, as namedtuple does, so a replay finds it there.
+    module = sys._getframe(1).f_globals.get("__name__", "__main__")
+    case = replayable_test_case(machine, module, replay_dir or DEFAULT_REPLAY_DIR)
     if settings is not None:
         case.settings = settings  # type: ignore[attr-defined]
     return case

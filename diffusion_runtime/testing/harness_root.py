@@ -2,7 +2,7 @@
 :class:`~diffusion_runtime.core.EngineCore` stepped by the test) and the
 front harnesses (an engine, the lockstep engine, a stage) share.
 
-:class:`LifecycleHarness` holds the configuration every harness takes, the
+:class:`HarnessRoot` holds the configuration every harness takes, the
 auditor fed with every event, the admission and terminal counts, the direct
 oracle, and the checks they all make: the auditor finds nothing after every
 rule; nothing is held for a finished request; every admission ends in one
@@ -39,10 +39,10 @@ from diffusion_runtime.testing.strategies import sampling_params
 #: How many seed-dependence checks one example makes (each is two direct forwards).
 SEED_CHECKS_PER_EXAMPLE = 2
 
-Harness = TypeVar("Harness", bound="LifecycleHarness")
+Harness = TypeVar("Harness", bound="HarnessRoot")
 
 
-class LifecycleHarness(RuleBasedStateMachine):
+class HarnessRoot(RuleBasedStateMachine):
     """The shared root: configuration, auditor, oracle and the common checks."""
 
     config_factory: ClassVar[Callable[[], EngineConfig]]

@@ -34,6 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.testing.core_harness import CoreLifecycleMachine, core_lifecycle_machine
+from diffusion_runtime.testing.harness_root import HarnessRoot
 from diffusion_runtime.testing.mutation import Patch
 from diffusion_runtime.testing.profiles import harness_settings
 from diffusion_runtime.testing.reach import Reach
@@ -230,7 +231,7 @@ def rerun(replay: ReplayFile, trace_path: Path) -> ReplayOutcome:
 
 
 def replayable_test_case(
-    machine: type[CoreLifecycleMachine], module: str, replay_dir: Path
+    machine: type[HarnessRoot], module: str, replay_dir: Path
 ) -> type[unittest.TestCase]:
     """``machine``'s test case, named as defined in ``module``; a failure also
     writes a replay file in ``replay_dir`` (named after the test case)."""
@@ -271,9 +272,9 @@ def _rebuild(recipe: Recipe) -> tuple[type[RuleBasedStateMachine], Patch]:
     if isinstance(recipe, LifecycleTestCaseRecipe):
         test_case = recipe.target.resolve("recipe.target")
         machine = getattr(test_case, "state_machine", None)
-        if not (isinstance(machine, type) and issubclass(machine, CoreLifecycleMachine)):
+        if not (isinstance(machine, type) and issubclass(machine, HarnessRoot)):
             raise ReplayFileError(
-                f"recipe.target: {recipe.target.target!r} is not a core harness test "
+                f"recipe.target: {recipe.target.target!r} is not a harness test "
                 "case made by lifecycle_test_case"
             )
         return machine, contextlib.nullcontext()
