@@ -100,9 +100,9 @@ REQUIRED_REACH = {
         "path: a request excused by a batch mate's forward failure": 1,
         "path: delivered images re-checked after later waves": 100,
         "rule: fill, then urgent work": 50,
-        "rule: copies held in flight": 40,
-        "path: the core waited on a copy in flight": 15,
-        "path: a copy landed before the core waited on it": 1,
+        "rule: copies held in flight": 15,
+        "path: the core waited on a copy in flight": 8,
+        "path: a copy landed before the core waited on it": 5,
     },
     "step": {
         "rule: abort a RUNNING request": 5,

@@ -217,13 +217,20 @@ class CoreLifecycleMachine(HarnessRoot):
         self.reach.note(f"rule: copies {'held in flight' if hold else 'complete at once'}")
         self.copies.hold = hold
 
-    @precondition(lambda self: self._alive and bool(self.copies.in_flight))
+    @precondition(lambda self: self._alive)
     @rule(data=st.data())
-    def land_copies(self, data: st.DataObject) -> None:
-        """The oldest copies in flight land before the core waits on them."""
-        count = data.draw(st.integers(1, len(self.copies.in_flight)), label="copies landing")
-        self.copies.complete(count)
-        self.reach.note("path: a copy landed before the core waited on it")
+    def land_copies_before_the_core_waits(self, data: st.DataObject) -> None:
+        """A step whose copies stay in flight; then the oldest of the copies in
+        flight land before the next step waits on them."""
+        held, self.copies.hold = self.copies.hold, True
+        try:
+            self._step()
+        finally:
+            self.copies.hold = held
+        in_flight = len(self.copies.in_flight)
+        if in_flight and not self.dead:
+            self.copies.complete(data.draw(st.integers(1, in_flight), label="copies landing"))
+            self.reach.note("path: a copy landed before the core waited on it")
 
     @precondition(lambda self: self._alive)
     @rule(rid=requests)
