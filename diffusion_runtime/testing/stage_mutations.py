@@ -14,8 +14,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from diffusion_runtime.fsm import RequestStatus
+import attrs
+import torch
+
+from diffusion_runtime.fsm import RequestStatus, Trigger
 from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.stage.batch import BatchRequest
 from diffusion_runtime.stage.client import StageClient
 from diffusion_runtime.stage.proc import FINAL_LINGER_MS, StageProc, StageSpec, run_stage
 from diffusion_runtime.testing.patching import replace_attribute as _replace
@@ -38,6 +42,54 @@ def end_leaves_streams_open() -> Patch:
         return fail_pending
 
     return _replace(StageClient, "_fail_pending", make)
+
+
+def batch_failed_child_completes() -> Patch:
+    def make(original: Any) -> Any:
+        def push(self: BatchRequest, output: RequestOutput) -> None:
+            if not output.finished:
+                return
+            index = self._index[output.request_id]
+            self._finals[index] = output
+            self._ended += 1
+            if self.state is RequestStatus.RUNNING:
+                if output.status is RequestStatus.FINISHED_ABORTED:
+                    self._fire(Trigger.ABORT, f"prompt {index}: {output.error}")
+                elif self._ended == len(self.child_ids):  # "a failed prompt has no images"
+                    self._fire(Trigger.COMPLETE, None)
+            self._deliver_when_done()
+
+        return push
+
+    return _replace(BatchRequest, "push", make)
+
+
+def batch_output_before_children_end() -> Patch:
+    def make(original: Any) -> Any:
+        def deliver_when_done(self: BatchRequest) -> None:
+            # "the parent's state is final: the children still running are being aborted"
+            if self.is_finished and not self.result.done():
+                self.result.set_result(self._final_output())
+
+        return deliver_when_done
+
+    return _replace(BatchRequest, "_deliver_when_done", make)
+
+
+def batch_one_image_per_prompt() -> Patch:
+    def make(original: Any) -> Any:
+        def final_output(self: BatchRequest) -> RequestOutput:
+            output: RequestOutput = original(self)
+            finals = [final for final in self._finals if final is not None]
+            if output.image_batch is None:
+                return output
+            # "the batch's images: each prompt's image, in prompt order"
+            images = torch.stack([o.image_batch[0] for o in finals if o.image_batch is not None])
+            return attrs.evolve(output, image_batch=images)
+
+        return final_output
+
+    return _replace(BatchRequest, "_final_output", make)
 
 
 # -- the stage process (planted in the child) ----------------------------------------------
@@ -100,4 +152,11 @@ STAGE_MUTATIONS: tuple[MutationSpec, ...] = (
      "output", "request", "stage", in_the_stage_process("stage-aborted-output-not-sent")),
     ("stage-exit-skips-core-shutdown", "the stage exits without shutting its core down",
      "request", "stage", in_the_stage_process("stage-exit-skips-core-shutdown")),
+    ("stage-batch-failed-child-completes", "a batch parent ignores a child that failed and "
+     "completes once every child has ended", "request", "stage", batch_failed_child_completes),
+    ("stage-batch-output-before-children-end", "a batch parent's final output is sent as soon "
+     "as the parent has finished, before its other children have ended", "step", "stage",
+     batch_output_before_children_end),
+    ("stage-batch-one-image-per-prompt", "a completed batch parent takes one image per "
+     "prompt", "request", "stage", batch_one_image_per_prompt),
 )  # fmt: skip
