@@ -75,6 +75,7 @@ FAST_SUBSET = {
     "deadline-drops-running",
     "preempted-deadline-forgotten",
     "stage-exit-skips-core-shutdown",
+    "stage-batch-failed-child-completes",
     "inbox-apart-from-pause",
     "missing-result-fails-wave",
     "own-step-failure-fails-step",
@@ -159,9 +160,14 @@ REQUIRED_REACH = {
         "path: generate timed out while paused": 3,
     },
     "stage": {  # 60 examples a mode: far fewer than the others, so counts move more
-        "path: consumer dropped while its request was active": 5,
+        "path: consumer dropped while its request was active": 1,  # 3 in request mode
         "path: death with blocked readers": 5,
         "path: close with blocked readers": 1,
+        "rule: batch of prompts": 60,
+        "path: a batch parent with a failing child": 20,
+        "path: a batch parent completed": 15,
+        "path: a batch parent aborted before its children were admitted": 6,
+        "path: a RUNNING batch parent aborted": 5,  # when the abort beats the children's ends
     },
 }
 

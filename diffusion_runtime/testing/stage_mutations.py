@@ -11,7 +11,7 @@ place of ``run_stage`` while the mutation is open), never a production path.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -64,16 +64,28 @@ def batch_failed_child_completes() -> Patch:
     return _replace(BatchRequest, "push", make)
 
 
-def batch_output_before_children_end() -> Patch:
+def batch_abort_through_children() -> Patch:
     def make(original: Any) -> Any:
-        def deliver_when_done(self: BatchRequest) -> None:
-            # "the parent's state is final: the children still running are being aborted"
-            if self.is_finished and not self.result.done():
-                self.result.set_result(self._final_output())
+        def abort(
+            self: StageClient,
+            request_ids: str | Iterable[str],
+            reason: str = "aborted by the caller",
+        ) -> None:
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+            others = []
+            for request_id in ids:
+                batch = self._batches.get(request_id)
+                if batch is None:
+                    others.append(request_id)
+                elif batch.state is RequestStatus.WAITING:
+                    batch.abort(reason)
+                else:  # "a running batch is aborted through its prompts: their ends abort it"
+                    others.extend(batch.live_child_ids)
+            self._send_abort(others, reason)
 
-        return deliver_when_done
+        return abort
 
-    return _replace(BatchRequest, "_deliver_when_done", make)
+    return _replace(StageClient, "abort", make)
 
 
 def batch_one_image_per_prompt() -> Patch:
@@ -154,9 +166,9 @@ STAGE_MUTATIONS: tuple[MutationSpec, ...] = (
      "request", "stage", in_the_stage_process("stage-exit-skips-core-shutdown")),
     ("stage-batch-failed-child-completes", "a batch parent ignores a child that failed and "
      "completes once every child has ended", "request", "stage", batch_failed_child_completes),
-    ("stage-batch-output-before-children-end", "a batch parent's final output is sent as soon "
-     "as the parent has finished, before its other children have ended", "step", "stage",
-     batch_output_before_children_end),
+    ("stage-batch-abort-through-children", "the client aborts a RUNNING batch parent by "
+     "aborting its prompts, so their ends decide it", "step", "stage",
+     batch_abort_through_children),
     ("stage-batch-one-image-per-prompt", "a completed batch parent takes one image per "
      "prompt", "request", "stage", batch_one_image_per_prompt),
 )  # fmt: skip
