@@ -27,7 +27,7 @@ import re
 import sys
 import tempfile
 import unittest
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -73,9 +73,6 @@ DEFAULT_REPLAY_DIR = Path(tempfile.gettempdir()) / "diffusion-runtime-replays"
 #: Builds the front under test from a config, on the harness's event loop.
 FrontFactory = Callable[[EngineConfig, asyncio.AbstractEventLoop], HarnessFront]
 
-#: When the batch rule aborts the parent (or ``None``, half the time: not at all):
-#: while the loop is held before its children are admitted, or once they are.
-BATCH_ABORTS = ("before admission", "while running")
 #: The reason of a caller's abort (the front's default).
 CALLER_ABORT_REASON = "aborted by the caller"
 #: A batch parent ended by a child names it: ``"prompt <index>: <why>"``.
@@ -217,63 +214,87 @@ class EngineLifecycleMachine(RuleBasedStateMachine):
             )
         return rid
 
-    @precondition(
-        lambda self: (
-            self.front.capabilities.batches
-            and not self.closed
-            and not self.killed
-            and not self.paused
-        )
-    )
+    def _can_batch(self) -> bool:
+        """Whether a batch rule may run: the front has batches, and is open and not held."""
+        over = self.closed or self.killed or self.paused
+        return self.front.capabilities.batches and not over
+
+    @precondition(_can_batch)
     @rule(data=st.data())
     def add_batch(self, data: st.DataObject) -> None:
         """Two or three prompts (good ones, or half the time good and failing ones)
-        as one batch request (a parent over a child per prompt), aborted by the
-        caller before its children are admitted (the loop held), once they are,
-        or (half the time) not at all.
+        as one batch request: a parent over a child per prompt.
 
         The parent's one final output comes only once every child has ended
         (no child is left unfinished in the front); it holds every child's
         images (``num_outputs_per_prompt`` each) if it completed, none
-        otherwise; a caller's abort of an active parent ends it ABORTED with
-        the caller's reason. Its status against its children's (read from the
-        trace) is checked at teardown (:meth:`_check_batches`), its images
-        against each prompt run alone with the solo runs.
+        otherwise. Its status against its children's (read from the trace) is
+        checked at teardown (:meth:`_check_batches`), its images against each
+        prompt run alone with the solo runs.
         """
         front = self._batch_front()
+        prompts, params, rid = self._draw_batch(data)
+        self._end_batch(rid, prompts, params, front.add_batch(prompts, params, rid), False)
+
+    @precondition(_can_batch)
+    @rule(data=st.data())
+    def abort_batch_before_admission(self, data: st.DataObject) -> None:
+        """A batch sent while the loop is held and aborted by the caller before its
+        children are admitted: it ends ABORTED with the caller's reason, once its
+        children (admitted and aborted at the release) have ended."""
+        front = self._batch_front()
+        prompts, params, rid = self._draw_batch(data)
+        front.pause()
+        batch = self.loop.create_task(front.add_batch(prompts, params, rid))
+        self.loop.run_until_complete(asyncio.sleep(0))  # the admission is sent
+        if batch.done():  # refused before it was sent
+            batch.result()
+        active = front.abort_batch(rid)
+        front.resume()
+        assert active, f"{rid!r}: the parent ended before the stage admitted its children"
+        self.reach.note("path: a batch parent aborted before its children were admitted")
+        self._end_batch(rid, prompts, params, batch, active)
+
+    @precondition(_can_batch)
+    @rule(data=st.data())
+    def abort_running_batch(self, data: st.DataObject) -> None:
+        """A batch aborted by the caller once its children are admitted: if it was
+        still active then, it ends ABORTED with the caller's reason, whatever its
+        children do (whether it still was depends on timing; no draw does)."""
+        front = self._batch_front()
+        prompts, params, rid = self._draw_batch(data)
+        batch = self.loop.create_task(front.add_batch(prompts, params, rid))
+        started = self.loop.create_task(front.batch_started(rid))
+        self._run(asyncio.wait({batch, started}, return_when=asyncio.FIRST_COMPLETED))
+        started.cancel()
+        self.loop.run_until_complete(asyncio.gather(started, return_exceptions=True))
+        active = front.abort_batch(rid)
+        if active:
+            self.reach.note("path: a RUNNING batch parent aborted")
+        self._end_batch(rid, prompts, params, batch, active)
+
+    def _draw_batch(self, data: st.DataObject) -> tuple[tuple[Any, ...], SamplingParams, str]:
+        """A batch's prompts (failing ones mixed in half the time), params and id."""
         mix = self.prompts
         if self.failing_prompts is not None and data.draw(st.booleans()):
             mix = st.one_of(self.prompts, self.failing_prompts)
         prompts = tuple(data.draw(st.lists(mix, min_size=2, max_size=3)))
-        params = data.draw(self.params)
-        abort = data.draw(st.one_of(st.none(), st.sampled_from(BATCH_ABORTS)))
-        rid = f"batch-{len(self.batches)}"
         self.reach.note("rule: batch of prompts")
-        active = False
-        if abort == "before admission":
-            front.pause()
-            batch = self.loop.create_task(front.add_batch(prompts, params, rid))
-            self.loop.run_until_complete(asyncio.sleep(0))  # the admission is sent
-            if batch.done():  # refused before it was sent
-                batch.result()
-            active = front.abort_batch(rid)
-            front.resume()
-            assert active, f"{rid!r}: the parent ended before the stage admitted its children"
-            self.reach.note("path: a batch parent aborted before its children were admitted")
-        elif abort == "while running":
-            batch = self.loop.create_task(front.add_batch(prompts, params, rid))
-            started = self.loop.create_task(front.batch_started(rid))
-            self._run(asyncio.wait({batch, started}, return_when=asyncio.FIRST_COMPLETED))
-            started.cancel()
-            self.loop.run_until_complete(asyncio.gather(started, return_exceptions=True))
-            active = front.abort_batch(rid)
-            if active:
-                self.reach.note("path: a RUNNING batch parent aborted")
-        else:
-            batch = self.loop.create_task(front.add_batch(prompts, params, rid))
+        return prompts, data.draw(self.params), f"batch-{len(self.batches)}"
+
+    def _end_batch(
+        self,
+        rid: str,
+        prompts: tuple[Any, ...],
+        params: SamplingParams,
+        batch: Awaitable[RequestOutput],
+        aborted_active: bool,
+    ) -> None:
+        """Wait for the batch's final output and check it (:meth:`_check_batch_output`)."""
+        front = self._batch_front()
         output: RequestOutput = self._run(batch)
         children = tuple(front.child_ids(rid, len(prompts)))
-        run = BatchRun(rid, prompts, params, children, output, active)
+        run = BatchRun(rid, prompts, params, children, output, aborted_active)
         self.batches.append(run)
         self._check_batch_output(run, front.unfinished_ids())
         if output.status is RequestStatus.FINISHED_ERROR:
