@@ -72,6 +72,7 @@ FAST_SUBSET = {
     "victim-ties-preempt-oldest",
     "edf-ignores-priority",
     "stage-exit-skips-core-shutdown",
+    "stage-batch-failed-child-completes",
     "inbox-apart-from-pause",
     "missing-result-fails-wave",
     "own-step-failure-fails-step",
@@ -186,6 +187,11 @@ REQUIRED_REACH = {
         "path: consumer dropped while its request was active": 5,
         "path: death with blocked readers": 5,
         "path: close with blocked readers": 1,
+        "rule: batch of prompts": 20,
+        "path: a batch parent with a failing child": 1,  # 4 in step mode, 49 in request
+        "path: a batch parent completed": 8,
+        "path: a batch parent aborted before its children were admitted": 4,
+        "path: a RUNNING batch parent aborted": 4,  # when the abort beats the children's ends
     },
 }
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.core import EngineSnapshot
 from diffusion_runtime.engine import DiffusionEngine
-from diffusion_runtime.fsm.events import TraceEvent
+from diffusion_runtime.fsm.events import LifecycleEvent, TraceEvent
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 
@@ -39,6 +39,8 @@ class FrontCapabilities:
     ``held_messages_together``: everything sent while the loop is held is
     applied before its next step (a stage reads what has arrived when it is
     released; a message still in flight waits for the step after).
+    ``batches``: several prompts can be admitted as one parent request with a
+    child per prompt (the front is a :class:`BatchFront`).
     """
 
     pause: bool
@@ -46,6 +48,7 @@ class FrontCapabilities:
     live_events: bool
     die: bool
     held_messages_together: bool
+    batches: bool = False
 
 
 class HarnessFront(Protocol):
@@ -95,6 +98,40 @@ class HarnessFront(Protocol):
 
     def left_behind(self) -> list[str]:
         """After :meth:`close`: what the front started and did not release."""
+        ...
+
+
+@runtime_checkable
+class BatchFront(HarnessFront, Protocol):
+    """A front with batch requests (``capabilities.batches``): one parent request
+    over a child request per prompt, whose one final output the caller awaits."""
+
+    async def add_batch(
+        self, prompts: Sequence[Any], params: SamplingParams, request_id: str
+    ) -> RequestOutput:
+        """Admit ``prompts`` as one batch and return the parent's final output."""
+        ...
+
+    def child_ids(self, request_id: str, count: int) -> list[str]:
+        """The ids of the children of batch ``request_id``, in prompt order."""
+        ...
+
+    def abort_batch(self, request_id: str) -> bool:
+        """Abort a batch parent; return whether it was active (not finished) then."""
+        ...
+
+    def batch_events(self) -> list[LifecycleEvent]:
+        """Every transition of the batch parents so far, in order."""
+        ...
+
+    async def batch_started(self, request_id: str) -> None:
+        """Until batch ``request_id`` has left ``WAITING`` (its children are admitted,
+        or it ended first)."""
+        ...
+
+    def unfinished_ids(self) -> frozenset[str]:
+        """The requests whose final output has not reached the front (a batch's
+        children by their own ids)."""
         ...
 
 

@@ -5,8 +5,9 @@ Hypothesis drives a real front (a :class:`DiffusionEngine`, or with
 ``target="stage"`` a :class:`~diffusion_runtime.stage.StageClient` and its
 stage process) through add / add a duplicate id / abort / drop a consumer /
 inject a failure / pause and resume the loop (so requests pile up into
-batches) / kill a worker / close, in random order, with the auditor attached
-to every event. After every step it checks the auditor found nothing and
+batches) / kill a worker / close (and, on a front with batch requests, add a
+batch of prompts as one parent request), in random order, with the auditor
+attached to every event. After every step it checks the auditor found nothing and
 that no state is left for finished requests; at the end, that every admitted
 request reached exactly one terminal state, and that every completed output
 equals the pipeline's own output for it, called directly (the checks of
@@ -24,13 +25,15 @@ A user's test file can be two lines::
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import tempfile
 import unittest
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+import attrs
 import hypothesis.strategies as st
 from hypothesis import settings as Settings
 from hypothesis.stateful import (
@@ -57,7 +60,7 @@ from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.testing.core_harness import core_lifecycle_machine
-from diffusion_runtime.testing.fronts import EngineFront, HarnessFront
+from diffusion_runtime.testing.fronts import BatchFront, EngineFront, HarnessFront
 from diffusion_runtime.testing.harness_root import HarnessRoot, configured
 from diffusion_runtime.testing.replay import replayable_test_case
 from diffusion_runtime.testing.stage_front import StageFront
@@ -67,6 +70,24 @@ DEFAULT_REPLAY_DIR = Path(tempfile.gettempdir()) / "diffusion-runtime-replays"
 
 #: Builds the front under test from a config, on the harness's event loop.
 FrontFactory = Callable[[EngineConfig, asyncio.AbstractEventLoop], HarnessFront]
+
+#: The reason of a caller's abort (the front's default).
+CALLER_ABORT_REASON = "aborted by the caller"
+#: A batch parent ended by a child names it: ``"prompt <index>: <why>"``.
+CHILD_REASON = re.compile(r"prompt (\d+): ")
+
+
+@attrs.frozen
+class BatchRun:
+    """A batch request the harness made, and its parent's final output."""
+
+    request_id: str
+    prompts: tuple[Any, ...]
+    params: SamplingParams
+    child_ids: tuple[str, ...]
+    output: RequestOutput
+    #: The caller aborted the parent while it was active.
+    aborted_active: bool
 
 
 class EngineLifecycleMachine(HarnessRoot):
@@ -99,6 +120,7 @@ class EngineLifecycleMachine(HarnessRoot):
         self.paused = False
         #: Ids whose consumer left while they were active, with that admission's number.
         self.must_abort: dict[str, int] = {}
+        self.batches: list[BatchRun] = []
         self.front = self.build_front()
         self.config = self.front.config
         if self.front.capabilities.live_events:
@@ -183,6 +205,94 @@ class EngineLifecycleMachine(HarnessRoot):
                 f"{rid!r}: aborted before it could run, yet ended {final.status}"
             )
         return rid
+
+    def _can_batch(self) -> bool:
+        """Whether a batch rule may run: the front has batches, and is open and not held."""
+        over = self.closed or self.killed or self.paused
+        return self.front.capabilities.batches and not over
+
+    @precondition(_can_batch)
+    @rule(data=st.data())
+    def add_batch(self, data: st.DataObject) -> None:
+        """Two or three prompts (good ones, or half the time good and failing ones)
+        as one batch request: a parent over a child per prompt.
+
+        The parent's one final output comes only once every child has ended
+        (no child is left unfinished in the front); it holds every child's
+        images (``num_outputs_per_prompt`` each) if it completed, none
+        otherwise. Its status against its children's (read from the trace) is
+        checked at teardown (:meth:`_check_batches`), its images against each
+        prompt run alone with the solo runs.
+        """
+        front = self._batch_front()
+        prompts, params, rid = self._draw_batch(data)
+        self._end_batch(rid, prompts, params, front.add_batch(prompts, params, rid), False)
+
+    @precondition(_can_batch)
+    @rule(data=st.data())
+    def abort_batch_before_admission(self, data: st.DataObject) -> None:
+        """A batch sent while the loop is held and aborted by the caller before its
+        children are admitted: it ends ABORTED with the caller's reason, once its
+        children (admitted and aborted at the release) have ended."""
+        front = self._batch_front()
+        prompts, params, rid = self._draw_batch(data)
+        front.pause()
+        batch = self.loop.create_task(front.add_batch(prompts, params, rid))
+        self.loop.run_until_complete(asyncio.sleep(0))  # the admission is sent
+        if batch.done():  # refused before it was sent
+            batch.result()
+        active = front.abort_batch(rid)
+        front.resume()
+        assert active, f"{rid!r}: the parent ended before the stage admitted its children"
+        self.reach.note("path: a batch parent aborted before its children were admitted")
+        self._end_batch(rid, prompts, params, batch, active)
+
+    @precondition(_can_batch)
+    @rule(data=st.data())
+    def abort_running_batch(self, data: st.DataObject) -> None:
+        """A batch aborted by the caller once its children are admitted: if it was
+        still active then, it ends ABORTED with the caller's reason, whatever its
+        children do (whether it still was depends on timing; no draw does)."""
+        front = self._batch_front()
+        prompts, params, rid = self._draw_batch(data)
+        batch = self.loop.create_task(front.add_batch(prompts, params, rid))
+        started = self.loop.create_task(front.batch_started(rid))
+        self._run(asyncio.wait({batch, started}, return_when=asyncio.FIRST_COMPLETED))
+        started.cancel()
+        self.loop.run_until_complete(asyncio.gather(started, return_exceptions=True))
+        active = front.abort_batch(rid)
+        if active:
+            self.reach.note("path: a RUNNING batch parent aborted")
+        self._end_batch(rid, prompts, params, batch, active)
+
+    def _draw_batch(self, data: st.DataObject) -> tuple[tuple[Any, ...], SamplingParams, str]:
+        """A batch's prompts (failing ones mixed in half the time), params and id."""
+        mix = self.prompts
+        if self.failing_prompts is not None and data.draw(st.booleans()):
+            mix = st.one_of(self.prompts, self.failing_prompts)
+        prompts = tuple(data.draw(st.lists(mix, min_size=2, max_size=3)))
+        self.reach.note("rule: batch of prompts")
+        return prompts, data.draw(self.params), f"batch-{len(self.batches)}"
+
+    def _end_batch(
+        self,
+        rid: str,
+        prompts: tuple[Any, ...],
+        params: SamplingParams,
+        batch: Awaitable[RequestOutput],
+        aborted_active: bool,
+    ) -> None:
+        """Wait for the batch's final output and check it (:meth:`_check_batch_output`)."""
+        front = self._batch_front()
+        output: RequestOutput = self._run(batch)
+        children = tuple(front.child_ids(rid, len(prompts)))
+        run = BatchRun(rid, prompts, params, children, output, aborted_active)
+        self.batches.append(run)
+        self._check_batch_output(run, front.unfinished_ids())
+        if output.status is RequestStatus.FINISHED_ERROR:
+            self.reach.note("path: a batch parent with a failing child")
+        elif output.status is RequestStatus.FINISHED_COMPLETED:
+            self.reach.note("path: a batch parent completed")
 
     @precondition(lambda self: not self.closed and not self.killed and not self.paused)
     @rule(rid=requests)
@@ -333,10 +443,12 @@ class EngineLifecycleMachine(HarnessRoot):
                 self.read_all()
                 if self.check_oracle:
                     self._check_against_the_pipeline()
+                    self._check_batches_against_the_pipeline()
             self.front.close()
             for event in self.front.recorded_events():  # the events no subscriber saw live
                 self._record(event)
             self._check_final_states()
+            self._check_batches()
             left = self.front.left_behind()
             assert not left, f"left behind after close: {left}"
         finally:
@@ -366,6 +478,87 @@ class EngineLifecycleMachine(HarnessRoot):
                 assert out.seed is not None, f"{rid!r}: a completed output without its seed"
                 prompt, params = self.inputs[rid]
                 self.check_against_the_pipeline(out, prompt, params, out.seed)
+
+    def _check_batch_output(self, run: BatchRun, unfinished: frozenset[str]) -> None:
+        """A batch parent's final output, as it reaches the caller: after every child
+        ended, with every child's images if it completed (none otherwise)."""
+        output = run.output
+        assert output.request_id == run.request_id and output.finished, output
+        held = sorted(set(run.child_ids) & unfinished)
+        assert not held, f"{run.request_id!r}: its output came before its children {held} ended"
+        if output.status is RequestStatus.FINISHED_COMPLETED:
+            count = len(run.child_ids) * run.params.num_outputs_per_prompt
+            images = None if output.image_batch is None else output.image_batch.shape[0]
+            assert images == count and output.error is None, (
+                f"{run.request_id!r}: completed with {images} images, its children made {count}"
+            )
+        else:
+            assert output.image_batch is None and output.error, output
+        if run.aborted_active:
+            assert output.status is RequestStatus.FINISHED_ABORTED, output
+            assert output.error == CALLER_ABORT_REASON, output
+
+    def _check_batches(self) -> None:
+        """Each batch parent made exactly one terminal transition, to its output's
+        status, and that status is its children's (from the trace): COMPLETED if
+        and only if every child completed; else, unless the caller aborted it
+        while active, the status of the child its error names (the first child
+        to end without completing: ERROR fails the parent, ABORTED aborts it)."""
+        if not self.batches:
+            return
+        ends: dict[str, RequestStatus] = {}
+        for event in self.lifecycle:
+            if event.dest in TERMINAL_STATES:
+                ends.setdefault(event.request_id, event.dest)
+        parent_events = self._batch_front().batch_events()
+        for run in self.batches:
+            mine = [e for e in parent_events if e.request_id == run.request_id]
+            assert not any(e.rejected for e in mine), f"{run.request_id!r}: {mine}"
+            terminal = [e.dest for e in mine if e.dest in TERMINAL_STATES]
+            assert terminal == [run.output.status], (
+                f"{run.request_id!r}: its parent's terminal transitions {terminal}, "
+                f"its output {run.output.status}"
+            )
+            children = [ends.get(child) for child in run.child_ids]
+            assert None not in children, f"{run.request_id!r}: a child never ended: {children}"
+            if run.aborted_active:
+                continue
+            completed = all(c is RequestStatus.FINISHED_COMPLETED for c in children)
+            if completed:
+                assert run.output.status is RequestStatus.FINISHED_COMPLETED, (
+                    f"{run.request_id!r}: every child completed, yet it ended {run.output.status}"
+                )
+                continue
+            named = CHILD_REASON.match(run.output.error or "")
+            assert named is not None, (
+                f"{run.request_id!r}: children {children}, yet it ended {run.output.status} "
+                f"({run.output.error!r})"
+            )
+            child = children[int(named.group(1))]
+            assert child is not RequestStatus.FINISHED_COMPLETED and child is run.output.status, (
+                f"{run.request_id!r}: ended {run.output.status} by prompt {named.group(1)}, "
+                f"which ended {child} (children: {children})"
+            )
+
+    def _check_batches_against_the_pipeline(self) -> None:
+        """Each completed batch's images, prompt by prompt, equal the pipeline's own
+        output for that prompt (every child runs with the parent's seed)."""
+        for run in self.batches:
+            output = run.output
+            if output.status is not RequestStatus.FINISHED_COMPLETED:
+                continue
+            assert output.image_batch is not None and output.seed is not None
+            count = run.params.num_outputs_per_prompt
+            for index, prompt in enumerate(run.prompts):
+                expected = self.oracle.images(prompt, run.params, output.seed)
+                images = output.image_batch[index * count : (index + 1) * count]
+                assert expected is not None and self.oracle.matches(
+                    expected, images, self.oracle_tolerance
+                ), f"{run.request_id!r}: prompt {index}'s images differ from the pipeline's own"
+
+    def _batch_front(self) -> BatchFront:
+        assert isinstance(self.front, BatchFront), "a front with capabilities.batches"
+        return self.front
 
     # -- helpers -----------------------------------------------------------------------
 

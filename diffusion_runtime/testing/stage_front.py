@@ -9,6 +9,8 @@ worker extension (:mod:`~diffusion_runtime.testing.stage_hold`); it has no
 snapshot of what its core holds and sends no live events: those capabilities
 are off, and the harness leaves out the rules and checks that need them (the
 offline audit covers cleanup, INV-003, and the effect of aborts, INV-008).
+Batch parents live in the client: their transitions reach the harness as they
+happen (``capabilities.batches``, a :class:`BatchFront`).
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ import attrs
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.core import EngineSnapshot
 from diffusion_runtime.errors import EngineClosedError, EngineDeadError
+from diffusion_runtime.fsm import LifecycleEvent, RequestStatus
 from diffusion_runtime.fsm.events import TraceEvent
 from diffusion_runtime.fsm.trace import read_trace
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.stage import StageClient
+from diffusion_runtime.stage.batch import child_request_id
 from diffusion_runtime.testing.fronts import FrontCapabilities, admit_while_held
 from diffusion_runtime.testing.leaks import Leftovers
 from diffusion_runtime.testing.stage_hold import StageHold, StageHolder
@@ -46,10 +50,16 @@ HOLD_TIMEOUT_S = 30.0
 
 class StageFront:
     """A :class:`StageClient` driven from the harness's thread: it can be held
-    between steps and killed (SIGTERM to the stage process), not inspected."""
+    between steps and killed (SIGTERM to the stage process), not inspected; it
+    admits batch requests (a :class:`~diffusion_runtime.testing.fronts.BatchFront`)."""
 
     capabilities = FrontCapabilities(
-        pause=True, snapshot=False, live_events=False, die=True, held_messages_together=False
+        pause=True,
+        snapshot=False,
+        live_events=False,
+        die=True,
+        held_messages_together=False,
+        batches=True,
     )
 
     def __init__(self, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> None:
@@ -67,6 +77,9 @@ class StageFront:
         #: Admissions sent while the stage is held: answered once it is released.
         self._pending: list[asyncio.Task[str]] = []
         self._held_ids = (f"held-{n}" for n in itertools.count())
+        #: The batch parents' transitions, and who waits for a parent to leave WAITING.
+        self._batch_events: list[LifecycleEvent] = []
+        self._batch_waiters: dict[str, asyncio.Future[None]] = {}
         try:
             self.client = StageClient(self._config)
             loop.run_until_complete(self.client.start())
@@ -74,6 +87,7 @@ class StageFront:
             shutil.rmtree(self._trace_dir, ignore_errors=True)
             raise
         self._holder = StageHolder(self.client, loop)
+        self.client.batch_machine.subscribe(self._on_batch_event)
 
     @property
     def config(self) -> EngineConfig:
@@ -108,6 +122,50 @@ class StageFront:
             self.client.abort(request_id)
 
         self._loop.run_until_complete(abort())
+
+    async def add_batch(
+        self, prompts: Sequence[Any], params: SamplingParams, request_id: str
+    ) -> RequestOutput:
+        return await self.client.add_batch_request(prompts, params, request_id)
+
+    def child_ids(self, request_id: str, count: int) -> list[str]:
+        return [child_request_id(request_id, index) for index in range(count)]
+
+    def abort_batch(self, request_id: str) -> bool:
+        """Abort a batch parent; return whether it was active when the abort was made
+        (read in the same turn of the loop as the abort)."""
+
+        async def abort() -> bool:
+            events = [e for e in self._batch_events if e.request_id == request_id]
+            active = bool(events) and not events[-1].dest.is_finished
+            self.client.abort(request_id)
+            return active
+
+        return self._loop.run_until_complete(abort())
+
+    def batch_events(self) -> list[LifecycleEvent]:
+        return list(self._batch_events)
+
+    async def batch_started(self, request_id: str) -> None:
+        if any(
+            e.request_id == request_id and e.source is RequestStatus.WAITING
+            for e in self._batch_events
+        ):
+            return
+        waiter = self._batch_waiters.setdefault(request_id, self._loop.create_future())
+        await waiter
+
+    def unfinished_ids(self) -> frozenset[str]:
+        return self.client.unfinished_request_ids
+
+    def _on_batch_event(self, event: TraceEvent) -> None:
+        if not isinstance(event, LifecycleEvent):
+            return
+        self._batch_events.append(event)
+        if event.source is RequestStatus.WAITING and not event.rejected:
+            waiter = self._batch_waiters.pop(event.request_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     def pause(self) -> None:
         self._holder.hold(HOLD_TIMEOUT_S)

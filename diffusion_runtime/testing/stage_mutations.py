@@ -11,11 +11,15 @@ place of ``run_stage`` while the mutation is open), never a production path.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from diffusion_runtime.fsm import RequestStatus
+import attrs
+import torch
+
+from diffusion_runtime.fsm import RequestStatus, Trigger
 from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.stage.batch import BatchRequest
 from diffusion_runtime.stage.client import StageClient
 from diffusion_runtime.stage.proc import FINAL_LINGER_MS, StageProc, StageSpec, run_stage
 from diffusion_runtime.testing.mutation import Mutation, Patch
@@ -38,6 +42,66 @@ def end_leaves_streams_open() -> Patch:
         return fail_pending
 
     return _replace(StageClient, "_fail_pending", make)
+
+
+def batch_failed_child_completes() -> Patch:
+    def make(original: Any) -> Any:
+        def push(self: BatchRequest, output: RequestOutput) -> None:
+            if not output.finished:
+                return
+            index = self._index[output.request_id]
+            self._finals[index] = output
+            self._ended += 1
+            if self.state is RequestStatus.RUNNING:
+                if output.status is RequestStatus.FINISHED_ABORTED:
+                    self._fire(Trigger.ABORT, f"prompt {index}: {output.error}")
+                elif self._ended == len(self.child_ids):  # "a failed prompt has no images"
+                    self._fire(Trigger.COMPLETE, None)
+            self._deliver_when_done()
+
+        return push
+
+    return _replace(BatchRequest, "push", make)
+
+
+def batch_abort_through_children() -> Patch:
+    def make(original: Any) -> Any:
+        def abort(
+            self: StageClient,
+            request_ids: str | Iterable[str],
+            reason: str = "aborted by the caller",
+        ) -> None:
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+            others = []
+            for request_id in ids:
+                batch = self._batches.get(request_id)
+                if batch is None:
+                    others.append(request_id)
+                elif batch.state is RequestStatus.WAITING:
+                    batch.abort(reason)
+                else:  # "a running batch is aborted through its prompts: their ends abort it"
+                    others.extend(batch.live_child_ids)
+            self._send_abort(others, reason)
+
+        return abort
+
+    return _replace(StageClient, "abort", make)
+
+
+def batch_one_image_per_prompt() -> Patch:
+    def make(original: Any) -> Any:
+        def final_output(self: BatchRequest) -> RequestOutput:
+            output: RequestOutput = original(self)
+            finals = [final for final in self._finals if final is not None]
+            if output.image_batch is None:
+                return output
+            # "the batch's images: each prompt's image, in prompt order"
+            images = torch.stack([o.image_batch[0] for o in finals if o.image_batch is not None])
+            return attrs.evolve(output, image_batch=images)
+
+        return final_output
+
+    return _replace(BatchRequest, "_final_output", make)
 
 
 # -- the stage process (planted in the child) ----------------------------------------------
@@ -103,4 +167,15 @@ STAGE_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="stage-exit-skips-core-shutdown", mode="request", target="stage",
              bug="the stage exits without shutting its core down",
              patch=in_the_stage_process("stage-exit-skips-core-shutdown")),
+    Mutation(name="stage-batch-failed-child-completes", mode="request", target="stage",
+             bug="a batch parent ignores a child that failed and completes once every child "
+                 "has ended",
+             patch=batch_failed_child_completes),
+    Mutation(name="stage-batch-abort-through-children", mode="step", target="stage",
+             bug="the client aborts a RUNNING batch parent by aborting its prompts, so their "
+                 "ends decide it",
+             patch=batch_abort_through_children),
+    Mutation(name="stage-batch-one-image-per-prompt", mode="request", target="stage",
+             bug="a completed batch parent takes one image per prompt",
+             patch=batch_one_image_per_prompt),
 )  # fmt: skip
