@@ -27,7 +27,7 @@ from diffusion_runtime import (
     SamplingParams,
 )
 from diffusion_runtime.core import EngineCore
-from diffusion_runtime.errors import LoRAError, RPCError
+from diffusion_runtime.errors import LoRAError, PipelineContractError, RPCError
 from diffusion_runtime.lora.weights import AdapterFileError, load_adapter
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.stage import StageClient
@@ -164,6 +164,13 @@ def test_adapters_are_refused_when_lora_is_off(
     with pytest.raises(LoRAError, match="adapters are off"):
         core.add_lora(adapter(tmp_path, 1))
     assert core.list_loras() == []
+
+
+def test_adapters_need_a_pipeline_that_enables_them(
+    make_engine: Callable[..., DiffusionEngine],
+) -> None:
+    with pytest.raises(PipelineContractError, match="needs a pipeline with enable_lora"):
+        make_engine("testing-noise", max_loras=1)
 
 
 # -- management, slots and eviction ----------------------------------------------------

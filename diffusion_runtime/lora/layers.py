@@ -120,12 +120,11 @@ class BatchedLoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.name = name
-        # Not a submodule: the slots are shared by every layer and hold no parameters.
-        self._slots = [slots]
+        self.slots = slots  # shared by every layer; not a module, so not registered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.base(x)
-        slots = self._slots[0]
+        slots = self.slots
         rows = slots.rows
         if rows is None:
             return y

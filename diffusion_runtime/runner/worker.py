@@ -242,6 +242,7 @@ class Worker:
         """Release the pipeline and, on CUDA, the cached device memory."""
         self._methods.clear()
         self._close_pipeline()
+        self.adapters = None
         del self.pipeline, self.runner
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
