@@ -28,6 +28,7 @@ from diffusion_runtime import (
 )
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.errors import LoRAError, PipelineContractError, RPCError
+from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.lora.weights import AdapterFileError, load_adapter
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.stage import StageClient
@@ -230,17 +231,40 @@ def test_an_adapter_in_use_is_neither_evicted_nor_removed(
     assert core.list_loras() == []
 
 
+def test_a_preempted_request_keeps_its_adapter(
+    cores: Callable[..., EngineCore], tmp_path: Path
+) -> None:
+    core = cores(
+        execution_mode="step", scheduling_policy="priority", max_num_seqs=1, max_cpu_loras=2
+    )
+    core.add_request("low", "3", params(adapter(tmp_path, 1), priority=5), seed=0)
+    core.step()
+    core.add_request("high", "5", params(adapter(tmp_path, 2), priority=-5), seed=0)
+    core.step()
+    assert core.scheduler.requests["low"].state is RequestStatus.PREEMPTED
+    with pytest.raises(LoRAError, match="adapter 1 is used"):
+        core.remove_lora(1)
+    with pytest.raises(LoRAError, match="no room"):
+        core.add_lora(adapter(tmp_path, 3))
+    assert all(output.ok for output in run_all(core).values())
+
+
 def test_a_step_holds_at_most_max_loras_adapters(
     cores: Callable[..., EngineCore], tmp_path: Path
 ) -> None:
     core = cores(execution_mode="step", max_num_seqs=8, max_loras=1, max_cpu_loras=3)
+    loras = {1: adapter(tmp_path, 1, rank=8), 2: adapter(tmp_path, 2, rank=2)}
     for i, adapter_id in enumerate((1, 1, 2)):
-        core.add_request(f"r{i}", "5", params(adapter(tmp_path, adapter_id), seed=i), seed=i)
+        core.add_request(f"r{i}", "5", params(loras[adapter_id], seed=i), seed=i)
     core.add_request("base", "5", params(None), seed=0)
     core.step()
     assert set(core.scheduler.running) == {"r0", "r1"}, "adapter 2 waits: one slot"
     outputs = run_all(core)
     assert all(output.ok for output in outputs.values()) and len(outputs) == 4
+    # Adapter 2 (rank 2) replaced adapter 1 (rank 8) in the one slot: nothing stale is left.
+    fresh = cores(execution_mode="step")
+    fresh.add_request("alone", "5", params(loras[2], seed=2), seed=2)
+    assert torch.equal(run_all(fresh)["alone"].image_batch, outputs["r2"].image_batch)
 
 
 # -- batching --------------------------------------------------------------------------
