@@ -318,13 +318,17 @@ class EngineCore:
         request = Request(
             queued.request_id, queued.prompt, params, queued.seed, batch_key, queued.arrival_time
         )
-        try:
-            if params.lora is not None and self._adapters is not None:
+        if params.lora is not None and self._adapters is not None:
+            try:
                 self._adapters.ensure(params.lora)  # loads it on demand
+            except EngineDeadError:
+                raise
+            except Exception as exc:  # no room, or a worker failed to load it
+                self._refused.append(_refused(queued, exc))
+                return
+        try:
             self.scheduler.add_request(request)
         except (DuplicateRequestError, QueueFullError) as exc:  # raced another thread's request
-            self._refused.append(_refused(queued, exc))
-        except (LoRAError, AdapterFileError) as exc:
             self._refused.append(_refused(queued, exc))
 
     def _apply_abort(self, abort: QueuedAbort) -> None:

@@ -334,6 +334,9 @@ def test_adapters_on_two_mp_workers_are_all_or_nothing(
         engine.add_lora(broken)
     assert engine.collective_rpc("list_loras") == [[1], [1]]
     assert engine.collective_rpc("staged_lora_ids") == [[], []], "rank 0 dropped its copy"
+    refused = engine.generate(["1"], [params(broken)])[0]  # loaded on demand: fails the same way
+    assert not refused.ok and "disk error on rank 1" in (refused.error or "")
+    assert engine.collective_rpc("staged_lora_ids") == [[], []]
     assert engine.list_loras() == [1]
     assert engine.pin_lora(1) is True
     image = engine.generate(["7"], [params(lora, seed=3)])[0].image_batch

@@ -167,53 +167,6 @@ class Worker:
             self.adapters.activate(self._adapters_of(scheduler_output))
         return self.runner.execute_model(scheduler_output)
 
-    def _adapters_of(self, scheduler_output: SchedulerOutput) -> set[int]:
-        """The adapters of the requests an output runs (new ones and cached ones)."""
-        params = [data.params for data in scheduler_output.scheduled_new_reqs]
-        states = self.runner.states
-        params += [
-            states[rid].request.params
-            for rid in scheduler_output.scheduled_cached_ids
-            if rid in states
-        ]
-        return {p.lora.adapter_id for p in params if p.lora is not None}
-
-    def _adapter_store(self) -> AdapterStore | None:
-        if not self.config.max_loras:
-            return None
-        enable = getattr(self.pipeline, "enable_lora", None)
-        if enable is None:
-            raise PipelineContractError(
-                f"EngineConfig.max_loras needs a pipeline with enable_lora; "
-                f"{type(self.pipeline).__name__} has none"
-            )
-        return AdapterStore(enable(self.config.max_loras, self.config.max_lora_rank))
-
-    def _store(self) -> AdapterStore:
-        if self.adapters is None:
-            raise LoRAError("adapters are off: EngineConfig.max_loras is 0")
-        return self.adapters
-
-    # -- adapters (two-phase: see diffusion_runtime.lora.store) ---------------------------
-
-    def stage_lora(self, request: LoRARequest) -> None:
-        self._store().stage(request)
-
-    def commit_lora(self, adapter_id: int, evict: list[int]) -> None:
-        self._store().commit(adapter_id, evict)
-
-    def abort_lora(self, adapter_id: int) -> None:
-        self._store().abort(adapter_id)
-
-    def remove_lora(self, adapter_id: int) -> bool:
-        return self._store().remove(adapter_id)
-
-    def list_loras(self) -> list[int]:
-        return [] if self.adapters is None else self.adapters.loaded_ids()
-
-    def staged_lora_ids(self) -> list[int]:
-        return [] if self.adapters is None else self.adapters.staged_ids()
-
     def cached_request_ids(self) -> list[str]:
         return self.runner.cached_request_ids()
 
@@ -254,3 +207,50 @@ class Worker:
                 close()
             except Exception:
                 logger.exception("pipeline close() failed on worker %d", self.rank)
+
+    # -- adapters (two-phase: see diffusion_runtime.lora.store) ---------------------------
+
+    def stage_lora(self, request: LoRARequest) -> None:
+        self._store().stage(request)
+
+    def commit_lora(self, adapter_id: int, evict: list[int]) -> None:
+        self._store().commit(adapter_id, evict)
+
+    def abort_lora(self, adapter_id: int) -> None:
+        self._store().abort(adapter_id)
+
+    def remove_lora(self, adapter_id: int) -> bool:
+        return self._store().remove(adapter_id)
+
+    def list_loras(self) -> list[int]:
+        return [] if self.adapters is None else self.adapters.loaded_ids()
+
+    def staged_lora_ids(self) -> list[int]:
+        return [] if self.adapters is None else self.adapters.staged_ids()
+
+    def _adapters_of(self, scheduler_output: SchedulerOutput) -> set[int]:
+        """The adapters of the requests an output runs (new ones and cached ones)."""
+        params = [data.params for data in scheduler_output.scheduled_new_reqs]
+        states = self.runner.states
+        params += [
+            states[rid].request.params
+            for rid in scheduler_output.scheduled_cached_ids
+            if rid in states
+        ]
+        return {p.lora.adapter_id for p in params if p.lora is not None}
+
+    def _adapter_store(self) -> AdapterStore | None:
+        if not self.config.max_loras:
+            return None
+        enable = getattr(self.pipeline, "enable_lora", None)
+        if enable is None:
+            raise PipelineContractError(
+                f"EngineConfig.max_loras needs a pipeline with enable_lora; "
+                f"{type(self.pipeline).__name__} has none"
+            )
+        return AdapterStore(enable(self.config.max_loras, self.config.max_lora_rank))
+
+    def _store(self) -> AdapterStore:
+        if self.adapters is None:
+            raise LoRAError("adapters are off: EngineConfig.max_loras is 0")
+        return self.adapters
