@@ -105,6 +105,8 @@ class DigitsPipeline:
         The runtime fills the returned slots before each step; each row of a
         step then gets its own request's adapter inside one network pass.
         """
+        if self._adapter_slots is not None:
+            raise RuntimeError("adapters are already enabled on this pipeline")
         self._adapter_slots = install_adapter_slots(self.model, max_loras, max_rank, self.device)
         return self._adapter_slots
 
