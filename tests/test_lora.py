@@ -276,9 +276,16 @@ def test_mixed_adapter_step_batch_rows_equal_solo_runs(
     loras = [None, adapter(tmp_path, 1, rank=4), adapter(tmp_path, 2, 0.5, rank=8)]
     loras.append(adapter(tmp_path, 3, -2.0, rank=2))
     engine = make_engine("digits", execution_mode="step", max_loras=3, max_num_seqs=8)
-    # Rows with every adapter and none, guided (two network rows per image) and not.
+    # Rows with every adapter and none, guided (two network rows per image) and not,
+    # one or two images per request.
     batch = [
-        params(loras[i % 4], seed=i, guidance_scale=3.0 if i % 3 == 0 else 1.0) for i in range(8)
+        params(
+            loras[i % 4],
+            seed=i,
+            guidance_scale=3.0 if i % 3 == 0 else 1.0,
+            num_outputs_per_prompt=2 if i in (2, 3) else 1,
+        )
+        for i in range(8)
     ]
     prompts = [str(i) for i in range(8)]
     mixed = engine.generate(prompts, batch)
