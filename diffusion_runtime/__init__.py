@@ -18,6 +18,7 @@ from diffusion_runtime.errors import (
 )
 from diffusion_runtime.executor import DiffusionExecutor
 from diffusion_runtime.fsm import LifecycleEvent, LifecycleViolation, RequestStatus
+from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.outputs import RequestMetrics, RequestOutput
 from diffusion_runtime.pipelines.registry import register_pipeline
 from diffusion_runtime.sampling_params import SamplingParams
@@ -35,6 +36,7 @@ __all__ = [
     "InvalidFieldError",
     "LifecycleEvent",
     "LifecycleViolation",
+    "LoRARequest",
     "PipelineContractError",
     "QueueFullError",
     "RPCError",

@@ -167,6 +167,11 @@ class EngineConfig:
     side stream, so the next step is scheduled while the copy runs; outputs
     are delivered once their copy is done (see ``docs/gpu.md``). Off, every
     wave waits for its copy. It changes nothing on the CPU.
+
+    ``max_loras`` > 0 turns on LoRA adapters (``docs/lora.md``): at most that
+    many distinct adapters run in one step or wave, from device slots; up to
+    ``max_cpu_loras`` (default ``max_loras``) stay loaded in host memory; an
+    adapter's rank is at most ``max_lora_rank``.
     """
 
     pipeline: str | Callable[..., Any] = attrs.field(default="digits", validator=_is_pipeline_spec)
@@ -216,6 +221,26 @@ class EngineConfig:
     ray_liveness_timeout_s: float = attrs.field(
         default=10.0, validator=finite_in_range(0.1, 3_600.0)
     )
+    max_loras: int = attrs.field(default=0, validator=int_in_range(0, 1024))
+    max_cpu_loras: int | None = attrs.field(
+        default=None, validator=int_in_range(1, 65_536, optional=True)
+    )
+    max_lora_rank: int = attrs.field(default=16, validator=int_in_range(1, 1024))
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            fail(
+                self,
+                "max_cpu_loras",
+                f"must be at least max_loras ({self.max_loras})",
+                self.max_cpu_loras,
+            )
+
+    @property
+    def lora_capacity(self) -> int:
+        """How many adapters the workers keep in host memory (``max_cpu_loras``,
+        default ``max_loras``)."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @property
     def resolved_mode(self) -> str:

@@ -42,6 +42,8 @@ from diffusion_runtime.delivery_queue import DeliveryQueue
 from diffusion_runtime.errors import (
     DuplicateRequestError,
     EngineDeadError,
+    InvalidFieldError,
+    LoRAError,
     QueueFullError,
     describe_error,
 )
@@ -65,6 +67,9 @@ from diffusion_runtime.fsm.events import (
 )
 from diffusion_runtime.fsm.trace import JsonlTraceWriter
 from diffusion_runtime.inbox import CoreInbox, Queued, QueuedAbort, QueuedRequest
+from diffusion_runtime.lora.control import AdapterControl
+from diffusion_runtime.lora.weights import AdapterFileError
+from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.outputs import RequestMetrics, RequestOutput, images_digest
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler, Ended
@@ -165,6 +170,11 @@ class EngineCore:
         # hold: released before the core returns, so no caller ever sees it held.
         self._release_due = False
         self._inbox = CoreInbox()
+        self._adapters = (
+            AdapterControl(self._call_all, self._adapters_in_use, config.lora_capacity)
+            if config.max_loras
+            else None
+        )
         self.executor = executor if executor is not None else resolve_executor_class(config)(config)
         try:
             self._start_trace()
@@ -188,8 +198,22 @@ class EngineCore:
 
     def validate(self, prompt: Any, params: SamplingParams) -> None:
         """Raise :class:`~diffusion_runtime.errors.InvalidFieldError` for input the
-        pipeline cannot serve (on mp, a round trip to a worker)."""
+        pipeline cannot serve (on mp, a round trip to a worker), or for an
+        adapter that is not loaded and whose file cannot be read."""
+        if params.lora is not None:
+            self._validate_lora(params.lora)
         self.executor.validate_request(prompt, params)
+
+    def _validate_lora(self, lora: LoRARequest) -> None:
+        if self._adapters is None:
+            raise InvalidFieldError(
+                "SamplingParams", "lora", "needs an engine with EngineConfig.max_loras > 0", lora
+            )
+        try:
+            self._adapters.check_loadable(lora)
+        except AdapterFileError as exc:
+            rule = f"names adapter {lora.adapter_id}, which is not loaded and cannot be: {exc}"
+            raise InvalidFieldError("SamplingParams", "lora", rule, lora) from exc
 
     def add_request(
         self,
@@ -294,6 +318,14 @@ class EngineCore:
         request = Request(
             queued.request_id, queued.prompt, params, queued.seed, batch_key, queued.arrival_time
         )
+        if params.lora is not None and self._adapters is not None:
+            try:
+                self._adapters.ensure(params.lora)  # loads it on demand
+            except EngineDeadError:
+                raise
+            except Exception as exc:  # no room, or a worker failed to load it
+                self._refused.append(_refused(queued, exc))
+                return
         try:
             self.scheduler.add_request(request)
         except (DuplicateRequestError, QueueFullError) as exc:  # raced another thread's request
@@ -520,6 +552,44 @@ class EngineCore:
         self._check_alive()
         return self.executor.collective_rpc(method, args, kwargs or {}, timeout, unique_reply_rank)
 
+    # -- adapters (docs/lora.md; call between steps, on the driving thread) ------------
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Load an adapter on every worker (all or none); False if already loaded."""
+        return self._adapter_control().add(request)
+
+    def remove_lora(self, adapter_id: int) -> bool:
+        """Unload an adapter from every worker; False if not loaded. Raises
+        :class:`~diffusion_runtime.errors.LoRAError` while a waiting, running or
+        preempted request uses it."""
+        return self._adapter_control().remove(adapter_id)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters loaded on the workers, merged and sorted."""
+        return [] if self._adapters is None else self._adapters.list()
+
+    def pin_lora(self, adapter_id: int) -> bool:
+        """Never evict this adapter; False if it is not loaded."""
+        return self._adapter_control().pin(adapter_id)
+
+    def _adapter_control(self) -> AdapterControl:
+        self._check_alive()
+        if self._adapters is None:
+            raise LoRAError("adapters are off: EngineConfig.max_loras is 0")
+        return self._adapters
+
+    def _call_all(self, method: str, args: tuple[Any, ...]) -> list[Any]:
+        replies: list[Any] = self.collective_rpc(method, args)
+        return replies
+
+    def _adapters_in_use(self) -> set[int]:
+        """Adapters of the waiting, running and preempted requests."""
+        return {
+            request.params.lora.adapter_id
+            for request in self.scheduler.requests.values()
+            if request.params.lora is not None
+        }
+
     def snapshot(self) -> EngineSnapshot:
         """Per-request state held by the scheduler and the runner (an executor holds none)."""
         alive = self._dead is None and not self._shut_down
@@ -733,5 +803,6 @@ def _fingerprint(request: Request) -> str:
         p.height,
         p.width,
         sorted((k, repr(v)) for k, v in p.extra_args.items()),
+        *(() if p.lora is None else (repr(p.lora),)),
     )
     return hashlib.blake2b(repr(inputs).encode(), digest_size=12).hexdigest()

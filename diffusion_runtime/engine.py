@@ -49,6 +49,7 @@ from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.executor.rpc_checks import checked_timeout
 from diffusion_runtime.fsm import RequestMachine
 from diffusion_runtime.fsm.audit import Auditor
+from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.routes import OutputRoutes
 from diffusion_runtime.runner.worker import Worker
@@ -301,6 +302,30 @@ class DiffusionEngine:
             )
         except concurrent.futures.TimeoutError:
             raise RPCError(f"collective_rpc {method!r} timed out after {timeout} s") from None
+
+    # -- adapters (docs/lora.md) ------------------------------------------------------
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Load an adapter on every worker, between steps; False if already loaded.
+        A worker that fails leaves the adapter loaded on none."""
+        added: bool = self._between_steps(lambda: self.core.add_lora(request))
+        return added
+
+    def remove_lora(self, adapter_id: int) -> bool:
+        """Unload an adapter everywhere; False if not loaded. Raises
+        :class:`~diffusion_runtime.errors.LoRAError` while a request uses it."""
+        removed: bool = self._between_steps(lambda: self.core.remove_lora(adapter_id))
+        return removed
+
+    def list_loras(self) -> list[int]:
+        """The loaded adapter ids, merged across workers and sorted."""
+        ids: list[int] = self._between_steps(self.core.list_loras)
+        return ids
+
+    def pin_lora(self, adapter_id: int) -> bool:
+        """Never evict this adapter; False if it is not loaded."""
+        pinned: bool = self._between_steps(lambda: self.core.pin_lora(adapter_id))
+        return pinned
 
     def pause(self) -> None:
         """Stop starting waves (or steps) after the current one; requests and

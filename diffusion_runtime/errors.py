@@ -82,6 +82,11 @@ class RPCError(DiffusionRuntimeError):
     """A collective RPC was refused, failed on a worker or timed out."""
 
 
+class LoRAError(DiffusionRuntimeError):
+    """An adapter call was refused: the adapter is in use, there is no room for
+    it, its file does not fit, or the engine runs without adapters."""
+
+
 class PipelineContractError(DiffusionRuntimeError):
     """A pipeline lacks what the configured execution mode needs."""
 

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from diffusion_runtime.errors import InvalidFieldError
+from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.validation import (
     bounded_input,
     finite_in_range,
@@ -27,6 +28,13 @@ def _copy_dict(value: Any) -> Any:
     return dict(value) if isinstance(value, dict) else value
 
 
+def _is_lora(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and not isinstance(value, LoRARequest):
+        raise InvalidFieldError(
+            type(instance).__name__, attribute.name, "must be a LoRARequest or None", value
+        )
+
+
 def _is_extra_args(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     str_keyed_dict(instance, attribute, value)
     bounded_input(type(instance).__name__, attribute.name, value)
@@ -42,7 +50,8 @@ class SamplingParams:
     ``None``: no deadline) are read by the scheduling policy
     (``docs/schedulers.md``); they never change the images.
     ``height``/``width`` of ``None`` mean the pipeline's native size.
-    ``extra_args`` carries pipeline-specific options; like a prompt, it may
+    ``lora`` names the low-rank adapter to run with (``None``: the base model;
+    ``docs/lora.md``). ``extra_args`` carries pipeline-specific options; like a prompt, it may
     nest at most :data:`~diffusion_runtime.validation.MAX_INPUT_DEPTH` levels
     and hold at most :data:`~diffusion_runtime.validation.MAX_INPUT_BYTES`.
     """
@@ -60,10 +69,19 @@ class SamplingParams:
     deadline_s: float | None = attrs.field(
         default=None, validator=finite_in_range(MIN_DEADLINE_S, MAX_DEADLINE_S, optional=True)
     )
+    lora: LoRARequest | None = attrs.field(default=None, validator=_is_lora)
+
+    @property
+    def adapter_id(self) -> int | None:
+        """The id of :attr:`lora`, or ``None`` for the base model."""
+        return None if self.lora is None else self.lora.adapter_id
 
     def request_batch_key(self) -> tuple[Any, ...]:
-        """Requests with equal keys can share one full-forward (request-mode) batch."""
-        return (self.num_inference_steps, *self.step_batch_key())
+        """Requests with equal keys can share one full-forward (request-mode) batch.
+
+        The adapter is part of it; a step batch mixes adapters, so
+        :meth:`step_batch_key` leaves it out."""
+        return (self.num_inference_steps, self.adapter_id, *self.step_batch_key())
 
     def step_batch_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can share a denoising step, whatever their step counts."""

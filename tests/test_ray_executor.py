@@ -22,6 +22,7 @@ import pytest
 from conftest import engine_threads
 from executor_helpers import DEEPER_THAN_PICKLE, GatedPipeline, PreviewingNoise, chain
 from hypothesis import HealthCheck, settings
+from lora_adapters import FAULTY_NAME, FailStageOnRankOne, adapter
 from pause_rounds import ROUNDS, run_rounds
 
 from diffusion_runtime import (
@@ -29,6 +30,7 @@ from diffusion_runtime import (
     EngineConfig,
     EngineDeadError,
     InvalidFieldError,
+    LoRARequest,
     RPCError,
     SamplingParams,
 )
@@ -194,6 +196,22 @@ def test_workers_on_two_nodes_generate_as_one_process_does(
         assert got.image_batch.equal(want.image_batch)
     snapshot = engine.snapshot()
     assert not snapshot.scheduler_ids and not snapshot.runner_cached_ids
+
+
+def test_adapters_are_loaded_on_every_rank_or_on_none(
+    ray_engine: Callable[..., DiffusionEngine], tmp_path: Path
+) -> None:
+    engine = ray_engine(pipeline="digits", max_loras=2, worker_extensions=(FailStageOnRankOne,))
+    lora = adapter(tmp_path, 1)
+    assert engine.add_lora(lora) is True
+    assert engine.collective_rpc("list_loras") == [[1], [1]]
+    with pytest.raises(OSError, match="disk error on rank 1"):
+        engine.add_lora(LoRARequest(FAULTY_NAME, 2, lora.path))
+    assert engine.collective_rpc("staged_lora_ids") == [[], []]
+    assert engine.list_loras() == [1] and engine.pin_lora(1)
+    params = SamplingParams(num_inference_steps=2, seed=0, lora=lora)
+    assert engine.generate(["4"], params)[0].ok
+    assert engine.remove_lora(1) and engine.collective_rpc("list_loras") == [[], []]
 
 
 @pytest.mark.parametrize("mode", ["request", "step"])

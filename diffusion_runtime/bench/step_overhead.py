@@ -19,6 +19,7 @@ import torch
 from diffusion_runtime.bench.stats import interleaved_seconds
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.lora.layers import AdapterPlan
 from diffusion_runtime.pipelines.digits import DigitsPipeline
 from diffusion_runtime.pipelines.digits.model import DigitDenoiser
 from diffusion_runtime.sampling_params import SamplingParams
@@ -28,7 +29,12 @@ class FreeDenoiser(DigitDenoiser):
     """The digits network's interface, answering zeros without computing anything."""
 
     def predict_noise_row_stable(
-        self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, rows_per_call: int
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        labels: torch.Tensor,
+        rows_per_call: int,
+        adapters: AdapterPlan | None = None,
     ) -> torch.Tensor:
         return torch.zeros_like(x)
 

@@ -11,7 +11,9 @@ import torch
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
-from diffusion_runtime.errors import InvalidFieldError, RPCError
+from diffusion_runtime.errors import InvalidFieldError, LoRAError, PipelineContractError, RPCError
+from diffusion_runtime.lora.store import AdapterStore
+from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.pipelines.registry import build_pipeline, import_object
 from diffusion_runtime.runner.model_runner import ModelRunner
 from diffusion_runtime.sampling_params import SamplingParams
@@ -77,10 +79,27 @@ class Worker:
             "device_name",
             "warmup_request",
             "validate_request",
+            "stage_lora",
+            "commit_lora",
+            "abort_lora",
+            "remove_lora",
+            "list_loras",
+            "staged_lora_ids",
         }
     )
-    #: Methods only the executor may call: they run or drop scheduler decisions.
-    EXECUTION_METHODS = frozenset({"execute_model", "release_requests"})
+    #: Methods only the executor may call: they run or drop scheduler decisions, or
+    #: (the adapter ones) change adapters behind the core's table; callers use the
+    #: fronts' ``add_lora``/``remove_lora`` instead.
+    EXECUTION_METHODS = frozenset(
+        {
+            "execute_model",
+            "release_requests",
+            "stage_lora",
+            "commit_lora",
+            "abort_lora",
+            "remove_lora",
+        }
+    )
 
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
@@ -101,6 +120,7 @@ class Worker:
                 overlap_outputs=config.overlap_outputs,
                 offload_budget_bytes=config.preempted_offload_bytes,
             )
+            self.adapters = self._adapter_store()
             self._methods.update((name, getattr(self, name)) for name in self.RPC_METHODS)
             for extension in config.worker_extensions:
                 self._add_extension(extension)
@@ -143,6 +163,8 @@ class Worker:
     # -- built-in methods ----------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if self.adapters is not None:
+            self.adapters.activate(self._adapters_of(scheduler_output))
         return self.runner.execute_model(scheduler_output)
 
     def cached_request_ids(self) -> list[str]:
@@ -173,6 +195,7 @@ class Worker:
         """Release the pipeline and, on CUDA, the cached device memory."""
         self._methods.clear()
         self._close_pipeline()
+        self.adapters = None
         del self.pipeline, self.runner
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -184,3 +207,50 @@ class Worker:
                 close()
             except Exception:
                 logger.exception("pipeline close() failed on worker %d", self.rank)
+
+    # -- adapters (two-phase: see diffusion_runtime.lora.store) ---------------------------
+
+    def stage_lora(self, request: LoRARequest) -> None:
+        self._store().stage(request)
+
+    def commit_lora(self, adapter_id: int, evict: list[int]) -> None:
+        self._store().commit(adapter_id, evict)
+
+    def abort_lora(self, adapter_id: int) -> None:
+        self._store().abort(adapter_id)
+
+    def remove_lora(self, adapter_id: int) -> bool:
+        return self._store().remove(adapter_id)
+
+    def list_loras(self) -> list[int]:
+        return [] if self.adapters is None else self.adapters.loaded_ids()
+
+    def staged_lora_ids(self) -> list[int]:
+        return [] if self.adapters is None else self.adapters.staged_ids()
+
+    def _adapters_of(self, scheduler_output: SchedulerOutput) -> set[int]:
+        """The adapters of the requests an output runs (new ones and cached ones)."""
+        params = [data.params for data in scheduler_output.scheduled_new_reqs]
+        states = self.runner.states
+        params += [
+            states[rid].request.params
+            for rid in scheduler_output.scheduled_cached_ids
+            if rid in states
+        ]
+        return {p.lora.adapter_id for p in params if p.lora is not None}
+
+    def _adapter_store(self) -> AdapterStore | None:
+        if not self.config.max_loras:
+            return None
+        enable = getattr(self.pipeline, "enable_lora", None)
+        if enable is None:
+            raise PipelineContractError(
+                f"EngineConfig.max_loras needs a pipeline with enable_lora; "
+                f"{type(self.pipeline).__name__} has none"
+            )
+        return AdapterStore(enable(self.config.max_loras, self.config.max_lora_rank))
+
+    def _store(self) -> AdapterStore:
+        if self.adapters is None:
+            raise LoRAError("adapters are off: EngineConfig.max_loras is 0")
+        return self.adapters

@@ -24,6 +24,7 @@ from diffusion_runtime.fsm import (
     Trigger,
 )
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.scheduler.adapter_budget import AdapterBudget
 from diffusion_runtime.scheduler.cost_meter import WaveCostMeter
 from diffusion_runtime.scheduler.policies import SchedulingPolicy, resolve_policy_class
 from diffusion_runtime.scheduler.request import Request
@@ -62,6 +63,7 @@ class BaseScheduler(abc.ABC):
     def __init__(self, machine: RequestMachine[Request], config: EngineConfig) -> None:
         self.machine = machine
         self.max_num_running_reqs = config.max_num_seqs
+        self.max_loras = config.max_loras
         self.max_waiting_requests = config.max_waiting_requests
         self.requests: dict[str, Request] = {}
         # An OrderedDict, not a deque: removal of any waiting request is O(1).
@@ -264,15 +266,22 @@ class BaseScheduler(abc.ABC):
         aged = itertools.takewhile(lambda request: self.is_aged(request, now), waiting)
         blocked = next((r for r in aged if r.batch_key != running.batch_key), None)
         before = math.inf if blocked is None else blocked.order
-        joining = [r for r in waiting if r.batch_key == running.batch_key and r.order < before]
+        budget = AdapterBudget(self.max_loras, self.running.values())
+        joining = [
+            r
+            for r in waiting
+            if r.batch_key == running.batch_key and r.order < before and budget.admits(r)
+        ]
         return [], joining[:free]
 
     def _choose_batch(self, ranked: list[Request], now: float) -> list[Request]:
         """The batch to run among ``ranked`` requests (best first)."""
         batches: dict[Hashable, list[Request]] = {}
+        budgets: dict[Hashable, AdapterBudget] = {}
         for request in ranked:
             batch = batches.setdefault(request.batch_key, [])
-            if len(batch) < self.max_num_running_reqs:
+            budget = budgets.setdefault(request.batch_key, AdapterBudget(self.max_loras))
+            if len(batch) < self.max_num_running_reqs and budget.admits(request):
                 batch.append(request)
         if not batches:
             return []
@@ -286,7 +295,8 @@ class BaseScheduler(abc.ABC):
 
         They share the batch key of the running requests (or of the head of
         the queue when nothing runs). Stops at the first incompatible request
-        (head-of-line blocking is preferred to reordering) or at capacity.
+        (head-of-line blocking is preferred to reordering) or at capacity
+        (``max_num_seqs`` requests, ``max_loras`` distinct adapters).
         """
         capacity = self.max_num_running_reqs - len(self.running)
         wave: list[Request] = []
@@ -295,8 +305,9 @@ class BaseScheduler(abc.ABC):
         running = next(iter(self.running.values()), None)
         head = running if running is not None else next(iter(self.waiting.values()))
         key: Hashable = head.batch_key
+        budget = AdapterBudget(self.max_loras, self.running.values())
         for request in self.waiting.values():
-            if request.batch_key != key or len(wave) >= capacity:
+            if request.batch_key != key or len(wave) >= capacity or not budget.admits(request):
                 break
             wave.append(request)
         return wave

@@ -29,12 +29,14 @@ from diffusion_runtime.errors import (
 from diffusion_runtime.executor.mp.spec import portable_config
 from diffusion_runtime.executor.rpc_checks import checked_method, checked_timeout
 from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine
+from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.routes import OutputRoutes
 from diffusion_runtime.sampling_params import SamplingParams, checked_params, prompts_and_params
 from diffusion_runtime.stage.batch import BatchRequest, child_request_id
 from diffusion_runtime.stage.codec import (
     error_from_msg,
+    lora_to_msg,
     output_from_frames,
     params_to_msg,
 )
@@ -409,6 +411,28 @@ class StageClient:
         if not isinstance(reply, RPCResult):
             raise StageProtocolError(f"the stage answered an RPC with {type(reply).__name__}")
         return reply.value
+
+    # -- adapters (docs/lora.md): run by the stage's core, between two steps -----------
+
+    async def add_lora(self, request: LoRARequest) -> bool:
+        """Load an adapter on every worker of the stage; False if already loaded."""
+        added: bool = await self.collective_rpc("add_lora", [lora_to_msg(request)])
+        return added
+
+    async def remove_lora(self, adapter_id: int) -> bool:
+        """Unload an adapter; False if not loaded; ``LoRAError`` while a request uses it."""
+        removed: bool = await self.collective_rpc("remove_lora", [adapter_id])
+        return removed
+
+    async def list_loras(self) -> list[int]:
+        """The loaded adapter ids, merged across the stage's workers and sorted."""
+        ids: list[int] = await self.collective_rpc("list_loras")
+        return ids
+
+    async def pin_lora(self, adapter_id: int) -> bool:
+        """Never evict this adapter; False if it is not loaded."""
+        pinned: bool = await self.collective_rpc("pin_lora", [adapter_id])
+        return pinned
 
     async def pause(self) -> None:
         """Hold the stage's core: once the stage reads this, it starts no wave (or

@@ -12,6 +12,7 @@ import zmq
 
 from diffusion_runtime import errors
 from diffusion_runtime.fsm import RequestStatus
+from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.outputs import RequestMetrics, RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.stage.endpoints import DEFAULT_MAX_REPLY_BYTES
@@ -19,6 +20,7 @@ from diffusion_runtime.stage.errors import StageProtocolError
 from diffusion_runtime.stage.messages import (
     Error,
     FieldErrorMsg,
+    LoRARequestMsg,
     MetricsMsg,
     Result,
     SamplingParamsMsg,
@@ -48,13 +50,22 @@ MAX_DIM = 2**63 - 1
 # -- sampling params -------------------------------------------------------------------
 
 
+def lora_to_msg(lora: LoRARequest) -> LoRARequestMsg:
+    return LoRARequestMsg(**attrs.asdict(lora))
+
+
 def params_to_msg(params: SamplingParams) -> SamplingParamsMsg:
-    return SamplingParamsMsg(**attrs.asdict(params, recurse=False))
+    fields = attrs.asdict(params, recurse=False)
+    fields["lora"] = None if params.lora is None else lora_to_msg(params.lora)
+    return SamplingParamsMsg(**fields)
 
 
 def params_from_msg(msg: SamplingParamsMsg) -> SamplingParams:
     """Build (and so validate) the params: ``InvalidFieldError`` names a bad field."""
-    return SamplingParams(**msgspec.structs.asdict(msg))
+    fields = msgspec.structs.asdict(msg)
+    lora = msg.lora
+    fields["lora"] = None if lora is None else LoRARequest(**msgspec.structs.asdict(lora))
+    return SamplingParams(**fields)
 
 
 # -- outputs and their images ----------------------------------------------------------
@@ -169,6 +180,7 @@ _REBUILT: dict[str, type[Exception]] = {
         errors.EngineDeadError,
         errors.RPCError,
         errors.PipelineContractError,
+        errors.LoRAError,
         ValueError,
         TypeError,
         KeyError,

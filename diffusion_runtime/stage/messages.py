@@ -39,6 +39,15 @@ Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
 # -- nested parts ----------------------------------------------------------------------
 
 
+class LoRARequestMsg(_Part, frozen=True):
+    """The fields of :class:`~diffusion_runtime.LoRARequest`."""
+
+    name: str
+    adapter_id: int
+    path: str
+    scale: float = 1.0
+
+
 class SamplingParamsMsg(_Part, frozen=True):
     """The fields of :class:`~diffusion_runtime.SamplingParams`; the stage
     validates them again by building one."""
@@ -52,6 +61,7 @@ class SamplingParamsMsg(_Part, frozen=True):
     extra_args: dict[str, Any]
     priority: int = 0
     deadline_s: float | None = None
+    lora: LoRARequestMsg | None = None
 
 
 class MetricsMsg(_Part, frozen=True):

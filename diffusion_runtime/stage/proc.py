@@ -34,6 +34,7 @@ from diffusion_runtime.core import EngineCore, StepResult
 from diffusion_runtime.errors import EngineDeadError, InvalidFieldError, RPCError, describe_error
 from diffusion_runtime.executor.rpc_checks import checked_timeout
 from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.stage.adapter_calls import ADAPTER_CALLS, run_adapter_call
 from diffusion_runtime.stage.allow_list import rpc_allow_list
 from diffusion_runtime.stage.codec import error_to_msg, output_to_frames, params_from_msg
 from diffusion_runtime.stage.endpoints import (
@@ -374,6 +375,9 @@ class StageProc:
     def _collective_rpc(self, message: CollectiveRPC) -> None:
         """Run an allow-listed worker method between two steps and send its reply."""
         call_id = message.call_id
+        if message.method in ADAPTER_CALLS:
+            self._adapter_call(message)
+            return
         if message.method not in self._allowed:
             refusal = RPCError(
                 f"method {message.method!r} is not on the stage's RPC allow-list: "
@@ -408,6 +412,17 @@ class StageProc:
             self._send(error_to_msg(refusal, call_id=call_id))
             return
         self._replies.send(frame)
+
+    def _adapter_call(self, message: CollectiveRPC) -> None:
+        """Run an adapter call on the core (see :mod:`~diffusion_runtime.stage.adapter_calls`)."""
+        try:
+            value = run_adapter_call(self.core, message.method, message.args)
+        except Exception as exc:
+            self._send(error_to_msg(exc, call_id=message.call_id))
+            if isinstance(exc, EngineDeadError):
+                raise
+            return
+        self._replies.send(encode(RPCResult(message.call_id, value)))
 
     def _status(self, message: StatusQuery) -> None:
         error = None

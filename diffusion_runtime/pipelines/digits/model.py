@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from diffusion_runtime.lora.layers import AdapterPlan, RowAdapters
 
 IMAGE_SIZE = 8
 PIXELS = IMAGE_SIZE * IMAGE_SIZE
@@ -110,7 +113,12 @@ class DigitDenoiser(nn.Module):
         return out
 
     def predict_noise_row_stable(
-        self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor, rows_per_call: int
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        labels: torch.Tensor,
+        rows_per_call: int,
+        adapters: AdapterPlan | None = None,
     ) -> torch.Tensor:
         """:meth:`forward`, run in zero-padded chunks of exactly ``rows_per_call`` rows.
 
@@ -124,6 +132,11 @@ class DigitDenoiser(nn.Module):
         tests), so each row's output depends on that row alone. The other ops
         (LayerNorm, SiLU, sin/cos) then also always see the same shapes, so
         their vectorised/scalar split cannot vary with the batch either.
+
+        ``adapters``: the slots installed in this network, and each row's slot
+        and scale (slot 0: no adapter). A chunk with an adapter row runs the
+        batched LoRA path for all its rows, again with fixed shapes; a row of
+        slot 0 gets an update of exactly zero, so it keeps its base output.
         """
         n = x.shape[0]
         pad = -n % rows_per_call
@@ -131,11 +144,32 @@ class DigitDenoiser(nn.Module):
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
             t = torch.cat([t, t.new_zeros(pad)])
             labels = torch.cat([labels, labels.new_full((pad,), self.config.null_class)])
-        chunks = [
-            self(x[i : i + rows_per_call], t[i : i + rows_per_call], labels[i : i + rows_per_call])
-            for i in range(0, n + pad, rows_per_call)
-        ]
+        chunks = []
+        for i in range(0, n + pad, rows_per_call):
+            rows = slice(i, i + rows_per_call)
+            with self._adapter_rows(adapters, rows, pad):
+                chunks.append(self(x[rows], t[rows], labels[rows]))
         return torch.cat(chunks)[:n]
+
+    def _adapter_rows(
+        self,
+        adapters: AdapterPlan | None,
+        rows: slice,
+        pad: int,
+    ) -> AbstractContextManager[None]:
+        """Set the adapters of one chunk's rows (padding rows have none)."""
+        if adapters is None:
+            return nullcontext()
+        slots, row_slots, row_scales = adapters
+        chunk_slots = (row_slots + [0] * pad)[rows]
+        if not any(chunk_slots):
+            return nullcontext()
+        return slots.rows_using(
+            RowAdapters(
+                torch.tensor(chunk_slots, dtype=torch.long, device=slots.device),
+                torch.tensor((row_scales + [0.0] * pad)[rows], device=slots.device),
+            )
+        )
 
 
 def ddim_timesteps(num_inference_steps: int, num_train_timesteps: int) -> list[int]:

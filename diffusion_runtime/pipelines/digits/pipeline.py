@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffusion_runtime.errors import InvalidFieldError
+from diffusion_runtime.lora.layers import AdapterPlan, AdapterSlots, install_adapter_slots
 from diffusion_runtime.pipelines.digits.model import (
     IMAGE_SIZE,
     PIXELS,
@@ -89,6 +90,7 @@ class DigitsPipeline:
         self._model: DigitDenoiser | None = model.to(self.device).eval().requires_grad_(False)
         self._alpha_bars = tuple(cosine_alpha_bars(self.config.num_train_timesteps).tolist())
         self._rows_per_call = _ROWS_PER_CALL.get(self.device.type, _ROWS_PER_CALL_DEFAULT)
+        self._adapter_slots: AdapterSlots | None = None
 
     @property
     def model(self) -> DigitDenoiser:
@@ -96,6 +98,34 @@ class DigitsPipeline:
         if self._model is None:
             raise RuntimeError("DigitsPipeline is closed")
         return self._model
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> AdapterSlots:
+        """Make every linear layer of the network adaptable (``docs/lora.md``).
+
+        The runtime fills the returned slots before each step; each row of a
+        step then gets its own request's adapter inside one network pass.
+        """
+        if self._adapter_slots is not None:
+            raise RuntimeError("adapters are already enabled on this pipeline")
+        self._adapter_slots = install_adapter_slots(self.model, max_loras, max_rank, self.device)
+        return self._adapter_slots
+
+    def _row_adapters(
+        self, states: Sequence[StepRequestState], copies: Sequence[int]
+    ) -> AdapterPlan | None:
+        """Each network row's adapter slot and scale: ``copies[i]`` blocks of rows
+        per state, in the order the rows are stacked (``None``: no adapters)."""
+        slots = self._adapter_slots
+        if slots is None:
+            return None
+        row_slots: list[int] = []
+        row_scales: list[float] = []
+        for state, count in zip(states, copies, strict=True):
+            lora = state.request.params.lora
+            rows = count * len(state.latents)
+            row_slots += [0 if lora is None else slots.slot_of(lora.adapter_id)] * rows
+            row_scales += [0.0 if lora is None else lora.scale] * rows
+        return slots, row_slots, row_scales
 
     def validate_request(self, prompt: Prompt, params: SamplingParams) -> None:
         """Reject what this pipeline cannot serve, naming the field."""
@@ -149,8 +179,10 @@ class DigitsPipeline:
             rows.append(copies * len(state.latents))
             timesteps += [state.timesteps[state.step_index]] * rows[-1]
         t = torch.tensor(timesteps, dtype=torch.long, device=self.device)
+        # Guided rows are stacked per state (cond copy, then uncond copy).
+        adapters = self._row_adapters(states, [2 if _guided(s) else 1 for s in states])
         eps = self.model.predict_noise_row_stable(
-            torch.cat(xs), t, torch.cat(labels), self._rows_per_call
+            torch.cat(xs), t, torch.cat(labels), self._rows_per_call, adapters
         )
         outputs = []
         for state, part in zip(states, torch.split(eps, rows), strict=True):
@@ -184,7 +216,11 @@ class DigitsPipeline:
             for g, x in zip(groups, inputs, strict=True)
         ]
         eps = self.model.predict_noise_row_stable(
-            _cat(inputs), _cat(times), cache["labels"], self._rows_per_call
+            _cat(inputs),
+            _cat(times),
+            cache["labels"],
+            self._rows_per_call,
+            self._group_adapters(groups),
         )
         parts = [eps] if len(groups) == 1 else torch.split(eps, [len(x) for x in inputs])
         for group, part in zip(groups, parts, strict=True):
@@ -193,6 +229,12 @@ class DigitsPipeline:
                 part = torch.lerp(uncond, cond, group.lead.request.params.guidance_scale)
             lead = group.lead
             group.advance(lead.scheduler.step(group.latents, part, lead.step_index))
+
+    def _group_adapters(self, groups: list[_StepGroup]) -> AdapterPlan | None:
+        """Row adapters for :meth:`step_batch`: a guided group stacks all its
+        states' rows twice (cond block, then uncond block)."""
+        states = [state for g in groups for _ in range(2 if g.guided else 1) for state in g.states]
+        return self._row_adapters(states, [1] * len(states))
 
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
         """The finished images, ``(N, 1, H, W)`` in ``[0, 1]``."""

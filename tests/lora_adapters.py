@@ -1,0 +1,78 @@
+"""Random low-rank adapters for the digits network, and a fault for the mp tests.
+
+Workers import the fault by this module's name (the tests' folder is on their
+path), so it lives here rather than in a test module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from diffusion_runtime import LoRARequest
+from diffusion_runtime.lora.weights import save_adapter
+from diffusion_runtime.pipelines.digits.model import DenoiserConfig, DigitDenoiser
+
+
+def digits_layer_shapes() -> dict[str, tuple[int, int]]:
+    """``(in, out)`` of every linear layer of the digits network, by name."""
+    model = DigitDenoiser(DenoiserConfig())
+    return {
+        name: (m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    }
+
+
+def write_adapter(
+    path: Path,
+    seed: int,
+    rank: int = 4,
+    layers: list[str] | None = None,
+    alpha: float | None = None,
+) -> Path:
+    """A random adapter of ``rank`` on ``layers`` (default: all) of the digits network."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = digits_layer_shapes()
+    pairs = {
+        name: (
+            torch.randn(rank, fan_in, generator=generator) * 0.05,
+            torch.randn(fan_out, rank, generator=generator) * 0.05,
+        )
+        for name, (fan_in, fan_out) in shapes.items()
+        if layers is None or name in layers
+    }
+    save_adapter(path, pairs, alpha=alpha)
+    return path
+
+
+def adapter(directory: Path, adapter_id: int, scale: float = 1.0, rank: int = 4) -> LoRARequest:
+    """A :class:`LoRARequest` for a random adapter written under ``directory``."""
+    path = directory / f"adapter-{adapter_id}.safetensors"
+    if not path.exists():
+        write_adapter(path, seed=adapter_id, rank=rank)
+    return LoRARequest(f"adapter-{adapter_id}", adapter_id, str(path), scale)
+
+
+#: An adapter whose name contains this fails to stage on rank 1 (see FailStageOnRankOne).
+FAULTY_NAME = "fails-on-rank-1"
+
+
+class FailStageOnRankOne:
+    """A worker extension that injects a fault: on rank 1, staging an adapter
+    named with :data:`FAULTY_NAME` raises after rank 0 staged it."""
+
+    def __init__(self, worker: Any) -> None:
+        if worker.rank != 1:
+            return
+        stage = worker._methods["stage_lora"]
+
+        def failing_stage(request: LoRARequest) -> None:
+            if FAULTY_NAME in request.name:
+                raise OSError("disk error on rank 1")
+            stage(request)
+
+        worker._methods["stage_lora"] = failing_stage
