@@ -101,14 +101,14 @@ REQUIRED_REACH = {
         "path: a request excused by a batch mate's forward failure": 1,
         "path: delivered images re-checked after later waves": 100,
         "rule: fill, then urgent work": 50,
-        "rule: copies held in flight": 15,
-        "path: the core waited on a copy in flight": 8,
-        "path: a copy landed before the core waited on it": 5,
+        "example: copies held in flight": 50,
+        "path: the core waited on a copy in flight": 80,
+        "path: a copy landed before the core waited on it": 15,
     },
     "step": {
         "rule: abort a RUNNING request": 5,
         "path: progress output": 20,
-        "path: a request ended with its progress in flight": 2,
+        "path: a request ended with its progress in flight": 15,
         # The runner's batched path (step_batch, post_decode_batch), drawn per example.
         "path: a wave mixing 'bad-step' and good requests, batched_steps=True": 3,
         "path: a wave mixing 'fail' and good requests, batched_steps=True": 2,

@@ -114,8 +114,12 @@ class CoreLifecycleMachine(HarnessRoot):
         self.core = EngineCore(
             config, scheduler_cls=self.scheduler_cls, executor=executor, clock=self.core_clock()
         )
-        #: The executor's results, with copies held in flight while a rule says so.
-        self.copies = CopiesInFlight(self.core.executor.execute)
+        #: The executor's results; in half the examples (drawn), each wave's copies
+        #: stay in flight until the core waits on them or a rule lands them.
+        held = current_build_context().data.draw(st.booleans())
+        self.copies = CopiesInFlight(self.core.executor.execute, hold=held)
+        if held:
+            self.reach.note("example: copies held in flight")
         self.core.executor.execute = self.copies  # type: ignore[method-assign,assignment]
         self.records: dict[str, RequestRecord] = {}
         self.past: list[RequestRecord] = []
@@ -209,15 +213,6 @@ class CoreLifecycleMachine(HarnessRoot):
                 self._step()
 
     @precondition(lambda self: self._alive)
-    @rule(hold=st.booleans())
-    def hold_copies(self, hold: bool) -> None:
-        """From now on, each wave's copies stay in flight (its tensors unreadable)
-        until the core waits on them or a rule lands them, as on a device; or,
-        with ``hold`` false, they are complete when the wave returns again."""
-        self.reach.note(f"rule: copies {'held in flight' if hold else 'complete at once'}")
-        self.copies.hold = hold
-
-    @precondition(lambda self: self._alive)
     @rule(data=st.data())
     def land_copies_before_the_core_waits(self, data: st.DataObject) -> None:
         """A step whose copies stay in flight; then the oldest of the copies in
@@ -300,7 +295,7 @@ class CoreLifecycleMachine(HarnessRoot):
         params = data.draw(self.params)
         active = sum(1 for rid in self.records if self._is_active(rid))
         for rank in range(max(0, self.config.max_num_seqs - active)):
-            steps = data.draw(st.integers(2, 6), label="filler steps")
+            steps = data.draw(self.params).num_inference_steps  # within the strategy's range
             filler = attrs.evolve(params, priority=rank, num_inference_steps=steps, seed=None)
             self._add(data, data.draw(self.prompts), filler, failing=False)
         self.reach.note("rule: preempt in turns")
