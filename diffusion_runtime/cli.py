@@ -150,15 +150,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for i in range(len(prompts))
     ]
     out_dir = Path(args.out)
-    config = _engine_config(args, stream_progress=True)
+    config = attrs.evolve(_engine_config(args, stream_progress=True), profile_dir=args.profile)
     prepare_output_dir(out_dir)
     with DiffusionEngine.make_engine(config) as engine:
         total = sum(progress_units(sp, config.streaming_output) for sp in params)
         unit = "step" if config.streaming_output else "request"
+        if args.profile is not None:
+            engine.start_profile("generate")
         start = time.perf_counter()
         with tqdm(total=total, unit=unit, file=sys.stderr, disable=None) as bar:
             outputs = asyncio.run(run_with_progress(engine, prompts, params, bar))
         wall = time.perf_counter() - start
+        if args.profile is not None:
+            for path in engine.stop_profile():
+                print(f"profile: {path}", file=sys.stderr)
     images = 0
     for index, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
         if not out.ok:
@@ -387,6 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="output size in pixels (default: 64 for digits, else the pipeline's own)",
     )
     generate.add_argument("--out", default="out", help="output directory")
+    generate.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="write a torch.profiler trace of the run per worker into DIR",
+    )
     _engine_options(generate)
     generate.set_defaults(func=cmd_generate)
 

@@ -167,6 +167,10 @@ class EngineConfig:
     side stream, so the next step is scheduled while the copy runs; outputs
     are delivered once their copy is done (see ``docs/gpu.md``). Off, every
     wave waits for its copy. It changes nothing on the CPU.
+
+    ``profile_dir`` is where ``start_profile``/``stop_profile`` write one
+    ``torch.profiler`` trace per worker (``docs/operations.md``); ``None`` (the
+    default) refuses profiling, so no caller can make the engine fill a disk.
     """
 
     pipeline: str | Callable[..., Any] = attrs.field(default="digits", validator=_is_pipeline_spec)
@@ -216,6 +220,7 @@ class EngineConfig:
     ray_liveness_timeout_s: float = attrs.field(
         default=10.0, validator=finite_in_range(0.1, 3_600.0)
     )
+    profile_dir: str | None = attrs.field(default=None, validator=_is_optional_path)
 
     @property
     def resolved_mode(self) -> str:

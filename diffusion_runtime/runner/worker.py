@@ -11,9 +11,12 @@ import torch
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
-from diffusion_runtime.errors import InvalidFieldError, RPCError
+from diffusion_runtime.errors import InvalidFieldError, RPCError, SleepStateError
 from diffusion_runtime.pipelines.registry import build_pipeline, import_object
 from diffusion_runtime.runner.model_runner import ModelRunner
+from diffusion_runtime.runner.profiling import WorkerProfiler
+from diffusion_runtime.runner.sleep import WorkerSleep
+from diffusion_runtime.runner.weights import device_weight_bytes
 from diffusion_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -77,10 +80,20 @@ class Worker:
             "device_name",
             "warmup_request",
             "validate_request",
+            "sleep",
+            "wake_up",
+            "is_sleeping",
+            "device_weight_bytes",
+            "start_profile",
+            "stop_profile",
         }
     )
     #: Methods only the executor may call: they run or drop scheduler decisions.
     EXECUTION_METHODS = frozenset({"execute_model", "release_requests"})
+    #: Methods only the engine core may call: it must know the workers sleep.
+    SLEEP_METHODS = frozenset({"sleep", "wake_up"})
+    #: Methods no caller reaches through ``collective_rpc`` or the stage.
+    RESERVED_METHODS = EXECUTION_METHODS | SLEEP_METHODS
 
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
@@ -101,6 +114,8 @@ class Worker:
                 overlap_outputs=config.overlap_outputs,
                 offload_budget_bytes=config.preempted_offload_bytes,
             )
+            self.sleeper = WorkerSleep(self.pipeline, self.runner, self.device)
+            self.profiler = WorkerProfiler(config.profile_dir, rank, self.device)
             self._methods.update((name, getattr(self, name)) for name in self.RPC_METHODS)
             for extension in config.worker_extensions:
                 self._add_extension(extension)
@@ -143,6 +158,8 @@ class Worker:
     # -- built-in methods ----------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if self.sleeper.is_sleeping and scheduler_output.has_work:
+            raise SleepStateError(f"worker {self.rank} is asleep: it runs no wave")
         return self.runner.execute_model(scheduler_output)
 
     def cached_request_ids(self) -> list[str]:
@@ -169,9 +186,33 @@ class Worker:
         if fn is not None:
             fn(prompt, params)
 
+    def sleep(self, level: int) -> None:
+        """Free the device's memory (see :class:`WorkerSleep`); only the core calls this."""
+        self.sleeper.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed, exactly."""
+        self.sleeper.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.sleeper.is_sleeping
+
+    def device_weight_bytes(self) -> int:
+        """Bytes of weight storage the pipeline holds on this worker's device."""
+        return device_weight_bytes(self.pipeline, self.device)
+
+    def start_profile(self, prefix: str) -> str:
+        """Start ``torch.profiler``; returns where :meth:`stop_profile` writes the trace."""
+        return self.profiler.start(prefix)
+
+    def stop_profile(self) -> str:
+        """Stop ``torch.profiler`` and write this worker's trace; returns its path."""
+        return self.profiler.stop()
+
     def shutdown(self) -> None:
         """Release the pipeline and, on CUDA, the cached device memory."""
         self._methods.clear()
+        self.profiler.close()
         self._close_pipeline()
         del self.pipeline, self.runner
         if self.device.type == "cuda":

@@ -1,0 +1,321 @@
+"""Sleep and wake: exact restore, requests that wait, illegal orders, memory released.
+
+Real engines with real pipelines (digits and the testing pipelines), in process
+and with worker processes; the only fakes are injected faults.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+from conftest import factory_of
+
+from diffusion_runtime import (
+    DiffusionEngine,
+    EngineClosedError,
+    EngineConfig,
+    EngineState,
+    PipelineContractError,
+    RequestStatus,
+    RPCError,
+    SamplingParams,
+    SleepStateError,
+)
+from diffusion_runtime.core import EngineCore
+from diffusion_runtime.errors import EngineDeadError
+from diffusion_runtime.fsm.events import EngineEvent, TraceEvent, WaveEvent
+from diffusion_runtime.pipelines.digits.pipeline import DigitsPipeline
+from diffusion_runtime.pipelines.protocols import PipelineRequest
+from diffusion_runtime.runner.model_runner import ModelRunner
+from diffusion_runtime.runner.sleep import WorkerSleep
+from diffusion_runtime.runner.weights import device_weight_bytes, weight_modules
+from diffusion_runtime.testing.pipelines import SeededNoisePipeline
+
+PARAMS = (
+    SamplingParams(num_inference_steps=4, seed=11),
+    SamplingParams(num_inference_steps=6, seed=12, guidance_scale=2.0),
+    SamplingParams(num_inference_steps=3, seed=13, num_outputs_per_prompt=2),
+)
+PROMPTS = ["3", "7", "1"]
+CPU = torch.device("cpu")
+
+
+def config(pipeline: Any = "digits", **overrides: Any) -> EngineConfig:
+    overrides.setdefault("device", "cpu")
+    overrides.setdefault("warmup", False)
+    return EngineConfig(pipeline=pipeline, **overrides)
+
+
+def images(outputs: Sequence[Any]) -> list[torch.Tensor]:
+    assert all(output.ok for output in outputs), [output.error for output in outputs]
+    return [output.image_batch for output in outputs]
+
+
+def assert_identical(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+# -- exact restore -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+@pytest.mark.parametrize(
+    ("pipeline", "backend"),
+    [("digits", "uni"), ("digits", "mp"), ("testing-noise", "uni"), ("testing-faults", "uni")],
+)
+def test_outputs_after_wake_are_bit_identical_at_both_levels(
+    pipeline: str, backend: str, mode: str
+) -> None:
+    events: list[TraceEvent] = []
+    cfg = config(pipeline, execution_mode=mode, executor_backend=backend, audit="raise")
+    with DiffusionEngine.make_engine(cfg) as engine:
+        engine.machine.subscribe(events.append)
+        before = images(engine.generate(PROMPTS, list(PARAMS)))
+        for level in (1, 2):
+            engine.sleep(level)
+            assert engine.is_sleeping and engine.state is EngineState.SLEEPING
+            engine.wake_up()
+            assert not engine.is_sleeping and engine.state is EngineState.SERVING
+            assert_identical(before, images(engine.generate(PROMPTS, list(PARAMS))))
+    states = [e.state for e in events if isinstance(e, EngineEvent)]
+    assert states[:4] == ["sleeping", "awake"] * 2
+    assert engine.auditor is not None and not engine.auditor.violations
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_step_mode_request_running_at_sleep_resumes_where_it_stopped(level: int) -> None:
+    """Sleep between two steps of a running request: no step runs while asleep, the
+    request stays running (never cut short), and its image equals an unslept run."""
+    params = SamplingParams(num_inference_steps=8, seed=3, guidance_scale=1.5)
+    reference = EngineCore(config(execution_mode="step"))
+    try:
+        reference.add_request("r", "5", params, params.seed or 0)
+        expected = run_to_end(reference)["r"]
+    finally:
+        reference.shutdown()
+    events: list[TraceEvent] = []
+    core = EngineCore(config(execution_mode="step"))
+    try:
+        core.add_request("r", "5", params, params.seed or 0)
+        for _ in range(3):
+            assert core.step().executed
+        core.sleep(level)
+        core.machine.subscribe(events.append)
+        for _ in range(3):
+            result = core.step()
+            assert not result.executed and result.outputs == [] and result.wake_at is None
+        assert core.scheduler.running.keys() == {"r"}
+        assert core.snapshot().runner_cached_ids == {"r"}
+        assert not [e for e in events if isinstance(e, WaveEvent)]  # no wave while asleep
+        core.wake_up()
+        assert torch.equal(run_to_end(core)["r"], expected)
+    finally:
+        core.shutdown()
+
+
+def run_to_end(core: EngineCore) -> dict[str, torch.Tensor]:
+    finals: dict[str, torch.Tensor] = {}
+    while core.has_unfinished():
+        for output in core.step().outputs:
+            if output.finished:
+                assert output.ok, output.error
+                finals[output.request_id] = output.image_batch
+    return finals
+
+
+def test_an_abort_while_asleep_ends_a_running_request_and_frees_its_state() -> None:
+    params = SamplingParams(num_inference_steps=6, seed=1)
+    core = EngineCore(config(execution_mode="step"))
+    try:
+        core.add_request("r", "2", params, 1)
+        core.step()
+        core.sleep(2)
+        core.abort(["r"])
+        [output] = core.step().outputs
+        assert output.status is RequestStatus.FINISHED_ABORTED
+        snapshot = core.snapshot()
+        assert not snapshot.scheduler_ids and not snapshot.runner_cached_ids
+        core.wake_up()
+        assert not core.has_unfinished()
+    finally:
+        core.shutdown()
+
+
+# -- requests while asleep ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["uni", "mp"])
+def test_requests_that_arrive_while_asleep_wait_and_complete_after_wake(backend: str) -> None:
+    with DiffusionEngine.make_engine(config(executor_backend=backend)) as engine:
+        expected = images(engine.generate(PROMPTS, list(PARAMS)))
+        engine.sleep(2)
+        results: list[Any] = []
+        caller = threading.Thread(
+            target=lambda: results.append(engine.generate(PROMPTS, list(PARAMS)))
+        )
+        caller.start()
+        caller.join(0.5)
+        assert caller.is_alive() and engine.queue_length == len(PROMPTS)
+        engine.wake_up()
+        caller.join(60)
+        assert not caller.is_alive()
+        assert_identical(expected, images(results[0]))
+
+
+def test_generate_with_a_timeout_times_out_while_asleep_and_leaves_nothing_behind(
+    make_engine: Callable[..., DiffusionEngine],
+) -> None:
+    engine = make_engine("digits")
+    engine.sleep(1)
+    with pytest.raises(TimeoutError):
+        engine.generate(PROMPTS, list(PARAMS), timeout=0.2)
+    snapshot = engine.snapshot()
+    assert not snapshot.scheduler_ids and snapshot.waiting == 0
+    assert engine.is_sleeping
+    engine.wake_up()
+    assert len(images(engine.generate(PROMPTS, list(PARAMS)))) == len(PROMPTS)
+
+
+# -- illegal orders -------------------------------------------------------------------
+
+
+def test_illegal_orders_raise_named_errors(make_engine: Callable[..., DiffusionEngine]) -> None:
+    engine = make_engine("digits")
+    with pytest.raises(SleepStateError, match="awake"):
+        engine.wake_up()
+    with pytest.raises(ValueError, match="level must be 1 or 2"):
+        engine.sleep(3)
+    engine.sleep(1)
+    with pytest.raises(SleepStateError, match="already asleep"):
+        engine.sleep(2)
+    with pytest.raises(RPCError, match="reserved"):
+        engine.collective_rpc("wake_up")
+    engine.wake_up()
+    engine.close()
+    assert engine.state is EngineState.SHUT_DOWN
+    with pytest.raises(EngineClosedError):
+        engine.sleep(1)
+    with pytest.raises(EngineClosedError):
+        engine.wake_up()
+
+
+def test_a_core_shut_down_while_asleep_refuses_to_wake() -> None:
+    core = EngineCore(config(execution_mode="step"))
+    core.add_request("r", "4", PARAMS[0], 1)
+    core.step()
+    core.sleep(2)
+    [output] = core.shutdown()
+    assert output.status is RequestStatus.FINISHED_ABORTED
+    with pytest.raises(EngineDeadError):
+        core.wake_up()
+
+
+# -- memory and the level-2 contract --------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["uni", "mp"])
+def test_level_2_releases_the_weight_storage_and_wake_restores_it(backend: str) -> None:
+    with DiffusionEngine.make_engine(config(executor_backend=backend)) as engine:
+        [held] = engine.collective_rpc("device_weight_bytes")
+        assert held > 1_000_000  # the digits network: ~1.3M float parameters
+        engine.sleep(2)
+        assert engine.collective_rpc("device_weight_bytes") == [0]
+        engine.wake_up()
+        assert engine.collective_rpc("device_weight_bytes") == [held]
+        engine.sleep(1)  # on the CPU, host memory is the device: nothing to free
+        assert engine.collective_rpc("device_weight_bytes") == [held]
+        engine.wake_up()
+
+
+def test_level_1_keeps_every_parameter_object_and_level_2_reloads_from_the_file() -> None:
+    pipeline = DigitsPipeline(CPU)
+    sleeper = WorkerSleep(pipeline, idle_runner(), CPU)
+    params = {name: p for name, p in pipeline.model.named_parameters()}
+    values = {name: p.detach().clone() for name, p in params.items()}
+    sleeper.sleep(1)
+    sleeper.wake_up()
+    assert all(p is params[name] for name, p in pipeline.model.named_parameters())
+    sleeper.sleep(2)
+    assert all(p.is_meta for p in pipeline.model.parameters())
+    assert device_weight_bytes(pipeline, CPU) == 0
+    sleeper.wake_up()
+    for name, p in pipeline.model.named_parameters():
+        assert p.device == CPU and torch.equal(p, values[name])
+
+
+def idle_runner() -> ModelRunner:
+    """A real runner with no requests, for driving a WorkerSleep alone."""
+    return ModelRunner(SeededNoisePipeline(CPU), CPU, step_mode=True)
+
+
+class WeightedNoisePipeline(SeededNoisePipeline):
+    """The noise pipeline with a real weight (a scale the output passes through)."""
+
+    def __init__(self, device: torch.device | str = "cpu", reload_dtype: Any = None) -> None:
+        super().__init__(device)
+        self.scale = self._build()
+        self.reload_dtype = reload_dtype
+
+    def _build(self) -> torch.nn.Linear:
+        torch.manual_seed(0)
+        return torch.nn.Linear(1, 1).to(self.device)
+
+    def forward(self, batch: Sequence[PipelineRequest]) -> Mapping[str, torch.Tensor]:
+        out = super().forward(batch)
+        weight = self.scale.weight.reshape(())
+        return {rid: images * weight for rid, images in out.items()}
+
+
+class ReloadingPipeline(WeightedNoisePipeline):
+    def reload_weights(self) -> None:
+        self.scale = self._build()
+        if self.reload_dtype is not None:  # an injected fault: the wrong dtype
+            self.scale = self.scale.to(self.reload_dtype)
+
+
+def test_level_2_is_refused_for_a_pipeline_with_weights_but_no_reload(
+    make_engine: Callable[..., DiffusionEngine],
+) -> None:
+    engine = make_engine(factory_of(WeightedNoisePipeline()))
+    with pytest.raises(PipelineContractError, match="reload_weights"):
+        engine.sleep(2)
+    assert engine.state is EngineState.SERVING
+    engine.sleep(1)
+    engine.wake_up()
+    assert len(images(engine.generate(["a"], PARAMS[0]))) == 1
+
+
+def test_a_reload_into_the_wrong_dtype_fails_the_wake_and_the_engine_stays_asleep(
+    make_engine: Callable[..., DiffusionEngine],
+) -> None:
+    pipeline = ReloadingPipeline(reload_dtype=torch.float64)
+    engine = make_engine(factory_of(pipeline))
+    expected = images(engine.generate(["a"], PARAMS[0]))
+    engine.sleep(2)
+    with pytest.raises(PipelineContractError, match=r"scale\.weight.*float64"):
+        engine.wake_up()
+    assert engine.is_sleeping
+    pipeline.reload_dtype = None
+    engine.wake_up()
+    assert_identical(expected, images(engine.generate(["a"], PARAMS[0])))
+
+
+def test_the_default_walk_finds_modules_through_plain_objects_and_containers() -> None:
+    class Holder:
+        def __init__(self) -> None:
+            self.parts = {"unet": torch.nn.Linear(2, 2), "more": [torch.nn.Conv2d(1, 1, 1)]}
+            self.shared = self.parts["unet"]
+            self.fn = print
+
+    class Outer:
+        def __init__(self) -> None:
+            self.family = Holder()
+            self.latent = torch.zeros(3)  # a loose tensor is not a weight
+
+    assert sorted(weight_modules(Outer())) == ["family.parts.more.0", "family.parts.unet"]
