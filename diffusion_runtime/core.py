@@ -124,7 +124,8 @@ class StepResult:
     ``outputs``: the outputs it produced, in order. ``executed``: whether it
     sent a wave (or a release) to the workers. ``wake_at`` (on the core's
     clock): when the core next needs a step if nothing new arrives; ``None``
-    means only new input (or :meth:`EngineCore.resume`) gives it work.
+    means only new input (or :meth:`EngineCore.resume`, or
+    :meth:`EngineCore.wake_up`) gives it work.
     """
 
     outputs: list[RequestOutput]

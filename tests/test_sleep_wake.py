@@ -6,8 +6,10 @@ and with worker processes; the only fakes are injected faults.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,6 +35,7 @@ from diffusion_runtime.pipelines.protocols import PipelineRequest
 from diffusion_runtime.runner.model_runner import ModelRunner
 from diffusion_runtime.runner.sleep import WorkerSleep
 from diffusion_runtime.runner.weights import device_weight_bytes, weight_modules
+from diffusion_runtime.stage import StageClient
 from diffusion_runtime.testing.pipelines import SeededNoisePipeline
 
 PARAMS = (
@@ -319,3 +322,75 @@ def test_the_default_walk_finds_modules_through_plain_objects_and_containers() -
             self.latent = torch.zeros(3)  # a loose tensor is not a weight
 
     assert sorted(weight_modules(Outer())) == ["family.parts.more.0", "family.parts.unet"]
+
+
+# -- the stage ------------------------------------------------------------------------
+
+
+def test_the_stage_sleeps_wakes_and_profiles_through_its_own_messages(tmp_path: Path) -> None:
+    """Sleep, wake and profile are stage messages (not RPCs: the core must know),
+    their errors cross with their own classes, and a request sent while the stage
+    sleeps waits and completes after the wake, identical to one before."""
+
+    async def scenario() -> None:
+        async with StageClient(config(profile_dir=str(tmp_path))) as client:
+            [before] = await client.generate(["6"], PARAMS[1])
+            with pytest.raises(SleepStateError):
+                await client.wake_up()
+            with pytest.raises(RPCError, match="allow-list"):
+                await client.collective_rpc("sleep", [1])
+            await client.sleep(2)
+            assert client.is_sleeping
+            assert await client.collective_rpc("device_weight_bytes") == [0]
+            waiting = asyncio.ensure_future(client.generate(["6"], PARAMS[1]))
+            await asyncio.sleep(0.5)
+            assert not waiting.done() and await client.queue_length() == 1
+            paths = await client.start_profile("stage")
+            await client.wake_up()
+            [after] = await waiting
+            assert await client.stop_profile() == paths
+            assert_identical(images([before]), images([after]))
+            assert "aten::linear" in Path(paths[0]).read_text()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("level", "offload_bytes"), [(1, 0), (2, 1 << 20)])
+def test_a_request_preempted_at_sleep_resumes_bit_identical(level: int, offload_bytes: int) -> None:
+    """Priority preemption leaves a request's step state on the workers (or in host
+    memory within ``preempted_offload_bytes``); it survives the sleep unchanged."""
+    low = SamplingParams(num_inference_steps=8, priority=5, guidance_scale=2.0)
+    high = SamplingParams(num_inference_steps=3)
+    solo: dict[str, torch.Tensor] = {}
+    for name, prompt, params in (("low", "8", low), ("high", "0", high)):
+        alone = EngineCore(config(execution_mode="step"))
+        try:
+            alone.add_request(name, prompt, params, 21)
+            solo.update(run_to_end(alone))
+        finally:
+            alone.shutdown()
+    core = EngineCore(
+        config(
+            execution_mode="step",
+            scheduling_policy="priority",
+            max_num_seqs=1,
+            preempted_offload_bytes=offload_bytes,
+            audit="raise",
+        )
+    )
+    try:
+        core.add_request("low", "8", low, 21)
+        core.step()
+        core.step()
+        core.add_request("high", "0", high, 21)
+        core.step()  # "high" runs; "low" is preempted, its state kept
+        assert core.scheduler.requests["low"].state is RequestStatus.PREEMPTED
+        core.sleep(level)
+        core.step()
+        core.wake_up()
+        finals = run_to_end(core)
+    finally:
+        core.shutdown()
+    assert finals.keys() == solo.keys()
+    for name, image in finals.items():
+        assert torch.equal(image, solo[name])

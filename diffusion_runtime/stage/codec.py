@@ -169,6 +169,8 @@ _REBUILT: dict[str, type[Exception]] = {
         errors.EngineDeadError,
         errors.RPCError,
         errors.PipelineContractError,
+        errors.SleepStateError,
+        errors.ProfilingError,
         ValueError,
         TypeError,
         KeyError,

@@ -24,7 +24,9 @@ import signal
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import attrs
 import zmq
@@ -50,15 +52,18 @@ from diffusion_runtime.stage.messages import (
     CollectiveRPC,
     FromStage,
     Pause,
+    Profile,
     Ready,
     Resume,
     RPCResult,
     Shutdown,
+    Sleep,
     StageDead,
     StartFailed,
     Status,
     StatusQuery,
     ToStage,
+    WakeUp,
     decode_to_stage,
     encode,
     salvage_ids,
@@ -325,6 +330,15 @@ class StageProc:
             self._collective_rpc(message)
         elif isinstance(message, StatusQuery):
             self._status(message)
+        elif isinstance(message, Sleep):
+            self._operate(message.call_id, lambda: self.core.sleep(message.level))
+        elif isinstance(message, WakeUp):
+            self._operate(message.call_id, self.core.wake_up)
+        elif isinstance(message, Profile):
+            if message.is_start:
+                self._operate(message.call_id, lambda: self.core.start_profile(message.prefix))
+            else:
+                self._operate(message.call_id, self.core.stop_profile)
         elif isinstance(message, Shutdown):
             self._finish(0)
 
@@ -408,6 +422,17 @@ class StageProc:
             self._send(error_to_msg(refusal, call_id=call_id))
             return
         self._replies.send(frame)
+
+    def _operate(self, call_id: int, call: Callable[[], Any]) -> None:
+        """Run an operator's call on the core (sleep, wake, profile) and reply."""
+        try:
+            value = call()
+        except Exception as exc:
+            self._send(error_to_msg(exc, call_id=call_id))
+            if isinstance(exc, EngineDeadError):
+                raise
+            return
+        self._send(RPCResult(call_id, value))
 
     def _status(self, message: StatusQuery) -> None:
         error = None
