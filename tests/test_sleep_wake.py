@@ -394,3 +394,34 @@ def test_a_request_preempted_at_sleep_resumes_bit_identical(level: int, offload_
     assert finals.keys() == solo.keys()
     for name, image in finals.items():
         assert torch.equal(image, solo[name])
+
+
+# -- diffusers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_a_diffusers_pipeline_loaded_from_a_directory_reloads_it_at_level_2(
+    models: Any, tmp_path: Path, mode: str, make_engine: Callable[..., DiffusionEngine]
+) -> None:
+    models.dit_pipeline().save_pretrained(tmp_path)
+    engine = make_engine("diffusers", pipeline_kwargs={"path": str(tmp_path)}, execution_mode=mode)
+    params = SamplingParams(num_inference_steps=3, seed=4, guidance_scale=2.0)
+    before = images(engine.generate([1, 7], params))
+    [held] = engine.collective_rpc("device_weight_bytes")
+    engine.sleep(2)
+    assert engine.collective_rpc("device_weight_bytes") == [0]
+    engine.wake_up()
+    assert engine.collective_rpc("device_weight_bytes") == [held]
+    assert_identical(before, images(engine.generate([1, 7], params)))
+
+
+def test_a_diffusers_pipeline_without_a_source_sleeps_at_level_1_only(
+    models: Any, make_engine: Callable[..., DiffusionEngine]
+) -> None:
+    from diffusion_runtime.pipelines.diffusers import DiffusersPipeline
+
+    engine = make_engine(factory_of(DiffusersPipeline(models.dit_pipeline())))
+    with pytest.raises(PipelineContractError, match="reload_weights"):
+        engine.sleep(2)
+    engine.sleep(1)
+    engine.wake_up()
