@@ -580,7 +580,15 @@ class EngineCore:
         level = checked_sleep_level(level)
         if self._sleep_level is not None:
             raise SleepStateError(f"the engine is already asleep (level {self._sleep_level})")
-        self.executor.sleep(level)
+        try:
+            self.executor.sleep(level)
+        except BaseException:
+            # Workers that did sleep wake again (a worker's wake is a no-op while awake).
+            try:
+                self.executor.wake_up()
+            except Exception:
+                logger.exception("waking the workers after a failed sleep failed")
+            raise
         self._sleep_level = level
         if self.machine.traced:
             self.machine.publish(EngineEvent("sleeping", time.monotonic(), f"level {level}"))

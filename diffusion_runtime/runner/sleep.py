@@ -67,7 +67,11 @@ class WorkerSleep:
         return self.level is not None
 
     def sleep(self, level: int) -> None:
-        """Free the device's memory at ``level``; the caller ran no wave meanwhile."""
+        """Free the device's memory at ``level``; the caller runs no wave meanwhile.
+
+        Nothing changes when it raises: host copies are made before any weight
+        is replaced, and states already parked come back.
+        """
         level = checked_sleep_level(level)
         if self.level is not None:
             raise SleepStateError(f"the worker is already asleep (level {self.level})")
@@ -77,10 +81,17 @@ class WorkerSleep:
                 f"sleep level 2 drops the weights, and {type(self.pipeline).__name__} has no "
                 "reload_weights() to load them again; use level 1"
             )
-        self._park_states()
+        host_weights = (
+            [(self._to_host(slot.get()), slot.get().device) for slot in slots] if level == 1 else []
+        )
+        try:
+            self._park_states()
+        except BaseException:
+            self._unpark_states()
+            raise
         if level == 1:
-            self._host_weights = [(self._to_host(s.get()), s.get().device) for s in slots]
-            _replace_each(slots, [host for host, _ in self._host_weights])
+            self._host_weights = host_weights
+            _replace_each(slots, [host for host, _ in host_weights])
         else:
             self._specs = {slot.name: TensorSpec.of(slot.get()) for slot in slots}
             _replace_each(slots, [slot.get().to(_META) for slot in slots], keep_identity=False)
@@ -89,22 +100,27 @@ class WorkerSleep:
             torch.cuda.empty_cache()
 
     def wake_up(self) -> None:
-        """Restore the weights and states exactly as they were before :meth:`sleep`."""
+        """Restore the weights and states exactly as they were before :meth:`sleep`.
+
+        A no-op while awake, so that a wake that failed on some workers of a
+        group can be retried on all of them (the core refuses a wake while
+        awake). A wake that raises (no room on the device yet, a failed reload)
+        leaves the worker asleep; it may be called again.
+        """
         if self.level is None:
-            raise SleepStateError("the worker is awake")
-        if self.level == 1:
+            return
+        if self._host_weights:  # level 1: every copy is made before any is put back
             slots = weight_slots(weight_modules(self.pipeline))
             _replace_each(slots, [host.to(device) for host, device in self._host_weights])
             self._host_weights = []
-        else:
+        if self._specs:
             self._reload()
         self._unpark_states()
         self.level = None
 
     def _reload(self) -> None:
         """Level 2: the pipeline reloads; every weight must come back as it was."""
-        if self._specs:
-            self.pipeline.reload_weights()
+        self.pipeline.reload_weights()
         now = {slot.name: slot.get() for slot in weight_slots(weight_modules(self.pipeline))}
         wrong = [
             f"{name}: {TensorSpec.of(now[name]) if name in now else 'missing'} != {spec}"
@@ -124,9 +140,8 @@ class WorkerSleep:
         self._host_states = {}
         for request_id, state in runner.states.items():
             if request_id not in offloaded:
-                moved: set[int] = set()
+                moved = self._host_states[request_id] = set()
                 map_state_tensors(state, self._state_mover(moved))
-                self._host_states[request_id] = moved
         runner.input_batch.invalidate()
 
     def _unpark_states(self) -> None:
