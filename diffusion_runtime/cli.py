@@ -366,7 +366,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         intra_op_threads=args.intra_op_threads,
         request_batch_max_wait_ms=args.batch_wait_ms,
     )
-    server_config = ServerConfig(model_name=args.model_name, per_client_limit=args.per_client_limit)
+    server_config = ServerConfig(
+        model_name=args.model_name,
+        per_client_limit=args.per_client_limit,
+        admin_routes=args.admin_routes,
+    )
     serve(engine_config, server_config, host=args.host, port=args.port, access_log=args.access_log)
     return 0
 
@@ -449,6 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     serve.add_argument("--model-name", default=None, help="model name (default: the pipeline)")
+    serve.add_argument(
+        "--admin-routes",
+        action="store_true",
+        help="add the operator's /admin routes: sleep, wake_up, profile (docs/operations.md)",
+    )
     serve.add_argument("--max-queue-len", type=int, default=256, help="waiting requests (429)")
     serve.add_argument(
         "--per-client-limit",

@@ -92,19 +92,19 @@ def weight_slots(modules: Mapping[str, torch.nn.Module]) -> list[WeightSlot]:
 
 
 def device_weight_bytes(pipeline: Any, device: torch.device) -> int:
-    """Bytes of weight storage the pipeline holds on ``device`` (each storage once)."""
+    """Bytes of weight storage the pipeline holds on ``device`` (each storage once;
+    ``cuda`` without an index counts every CUDA device)."""
     storages: dict[int, int] = {}
     for slot in weight_slots(weight_modules(pipeline)):
         tensor = slot.get()
-        if tensor.device.type == device.type and tensor.device.index == _index(tensor, device):
+        on_device = tensor.device.type == device.type and device.index in (
+            None,
+            tensor.device.index,
+        )
+        if on_device:
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
-
-
-def _index(tensor: torch.Tensor, device: torch.device) -> int | None:
-    """``device``'s index, reading an unindexed CUDA device as the tensor's own."""
-    return tensor.device.index if device.index is None else device.index
 
 
 def _module_slots(prefix: str, module: torch.nn.Module) -> Iterator[WeightSlot]:

@@ -214,7 +214,7 @@ class Worker:
         self._methods.clear()
         self.profiler.close()
         self._close_pipeline()
-        del self.pipeline, self.runner
+        del self.pipeline, self.runner, self.sleeper  # the sleeper holds host copies
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
