@@ -571,7 +571,7 @@ class EngineCore:
         the weights to host memory; level 2 drops them, and the pipeline
         reloads them from its source on wake (``docs/operations.md``).
 
-        Raises ``ValueError`` for another level, :class:`SleepStateError` when
+        Raises ``InvalidFieldError`` for another level, :class:`SleepStateError` when
         already asleep, and what the workers raise when they refuse (such as
         :class:`~diffusion_runtime.errors.PipelineContractError` at level 2 for
         a pipeline without ``reload_weights``); the core is then still awake.

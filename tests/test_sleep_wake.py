@@ -28,7 +28,7 @@ from diffusion_runtime import (
     SleepStateError,
 )
 from diffusion_runtime.core import EngineCore
-from diffusion_runtime.errors import EngineDeadError
+from diffusion_runtime.errors import EngineDeadError, InvalidFieldError
 from diffusion_runtime.fsm.events import EngineEvent, TraceEvent, WaveEvent
 from diffusion_runtime.pipelines.digits.pipeline import DigitsPipeline
 from diffusion_runtime.pipelines.protocols import PipelineRequest
@@ -196,7 +196,7 @@ def test_illegal_orders_raise_named_errors(make_engine: Callable[..., DiffusionE
     engine = make_engine("digits")
     with pytest.raises(SleepStateError, match="awake"):
         engine.wake_up()
-    with pytest.raises(ValueError, match="level must be 1 or 2"):
+    with pytest.raises(InvalidFieldError, match=r"sleep\.level must be 1 or 2; got 3"):
         engine.sleep(3)
     engine.sleep(1)
     with pytest.raises(SleepStateError, match="already asleep"):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from diffusion_runtime.errors import PipelineContractError, SleepStateError
+from diffusion_runtime.errors import InvalidFieldError, PipelineContractError, SleepStateError
 from diffusion_runtime.runner.model_runner import ModelRunner
 from diffusion_runtime.runner.state_offload import map_state_tensors
 from diffusion_runtime.runner.weights import (
@@ -40,9 +40,9 @@ _META = torch.device("meta")
 
 
 def checked_sleep_level(level: object) -> int:
-    """``level`` if it is a sleep level, else :class:`ValueError` naming the levels."""
+    """``level`` if it is a sleep level, else :class:`InvalidFieldError` (a ``ValueError``)."""
     if type(level) is not int or level not in SLEEP_LEVELS:
-        raise ValueError(f"sleep level must be 1 or 2; got {level!r}")
+        raise InvalidFieldError("sleep", "level", "must be 1 or 2", level)
     return level
 
 
