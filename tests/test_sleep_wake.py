@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import factory_of
+from conftest import device_memory_in_use, factory_of, suite_device, suite_device_index
 
 from diffusion_runtime import (
     DiffusionEngine,
@@ -44,11 +44,15 @@ PARAMS = (
     SamplingParams(num_inference_steps=3, seed=13, num_outputs_per_prompt=2),
 )
 PROMPTS = ["3", "7", "1"]
-CPU = torch.device("cpu")
+
+
+def on_cuda() -> bool:
+    """``--device cuda``: the engines of the device tests here run on the GPU."""
+    return suite_device() == "cuda"
 
 
 def config(pipeline: Any = "digits", **overrides: Any) -> EngineConfig:
-    overrides.setdefault("device", "cpu")
+    overrides.setdefault("device", suite_device())
     overrides.setdefault("warmup", False)
     return EngineConfig(pipeline=pipeline, **overrides)
 
@@ -230,7 +234,7 @@ def test_level_2_releases_the_weight_storage_and_wake_restores_it(
     make_engine: Callable[..., DiffusionEngine],
 ) -> None:
     """In process; the bit-identity test checks level 2 with worker processes too."""
-    engine = make_engine("digits")
+    engine = make_engine("digits", device=suite_device())
     [held] = engine.collective_rpc("device_weight_bytes")
     assert held > 1_000_000  # the digits network: ~1.3M float parameters
     engine.sleep(2)
@@ -238,13 +242,15 @@ def test_level_2_releases_the_weight_storage_and_wake_restores_it(
     engine.wake_up()
     assert engine.collective_rpc("device_weight_bytes") == [held]
     engine.sleep(1)  # on the CPU, host memory is the device: nothing to free
-    assert engine.collective_rpc("device_weight_bytes") == [held]
+    assert engine.collective_rpc("device_weight_bytes") == [0 if on_cuda() else held]
     engine.wake_up()
+    assert engine.collective_rpc("device_weight_bytes") == [held]
 
 
 def test_level_1_keeps_every_parameter_object_and_level_2_reloads_from_the_file() -> None:
-    pipeline = DigitsPipeline(CPU)
-    sleeper = WorkerSleep(pipeline, idle_runner(), CPU)
+    device = torch.device(suite_device_index())
+    pipeline = DigitsPipeline(device)
+    sleeper = WorkerSleep(pipeline, idle_runner(device), device)
     params = {name: p for name, p in pipeline.model.named_parameters()}
     values = {name: p.detach().clone() for name, p in params.items()}
     sleeper.sleep(1)
@@ -252,15 +258,33 @@ def test_level_1_keeps_every_parameter_object_and_level_2_reloads_from_the_file(
     assert all(p is params[name] for name, p in pipeline.model.named_parameters())
     sleeper.sleep(2)
     assert all(p.is_meta for p in pipeline.model.parameters())
-    assert device_weight_bytes(pipeline, CPU) == 0
+    assert device_weight_bytes(pipeline, device) == 0
     sleeper.wake_up()
     for name, p in pipeline.model.named_parameters():
-        assert p.device == CPU and torch.equal(p, values[name])
+        assert p.device == device and torch.equal(p, values[name])
 
 
-def idle_runner() -> ModelRunner:
+@pytest.mark.parametrize("level", [1, 2])
+def test_on_cuda_sleep_returns_device_memory_to_the_pre_load_baseline(level: int) -> None:
+    """``--device cuda`` only: the tensors the process holds on the device while
+    asleep are within 5% of the weights above what it held before the engine."""
+    if not on_cuda():
+        pytest.skip("a CUDA check: run with --device cuda")
+    baseline, _ = device_memory_in_use()
+    with DiffusionEngine.make_engine(config(execution_mode="step")) as engine:
+        engine.generate(PROMPTS, list(PARAMS))
+        loaded, _ = device_memory_in_use()
+        engine.sleep(level)
+        asleep, in_use = device_memory_in_use()
+        print(f"level {level}: tensors {baseline} -> {loaded} -> {asleep} B; {in_use} B in use")
+        assert asleep - baseline <= 0.05 * (loaded - baseline)
+        engine.wake_up()
+        assert device_memory_in_use()[0] >= loaded - (loaded - baseline) // 20
+
+
+def idle_runner(device: torch.device) -> ModelRunner:
     """A real runner with no requests, for driving a WorkerSleep alone."""
-    return ModelRunner(SeededNoisePipeline(CPU), CPU, step_mode=True)
+    return ModelRunner(SeededNoisePipeline(device), device, step_mode=True)
 
 
 class WeightedNoisePipeline(SeededNoisePipeline):
