@@ -206,7 +206,7 @@ def test_illegal_orders_raise_named_errors(make_engine: Callable[..., DiffusionE
     with pytest.raises(SleepStateError, match="already asleep"):
         engine.sleep(2)
     with pytest.raises(RPCError, match="reserved"):
-        engine.collective_rpc("wake_up")
+        engine.collective_rpc("wake_device")
     engine.wake_up()
     engine.close()
     assert engine.state is EngineState.SHUT_DOWN
@@ -368,7 +368,7 @@ def test_the_stage_sleeps_wakes_and_profiles_through_its_own_messages(tmp_path: 
             with pytest.raises(SleepStateError):
                 await client.wake_up()
             with pytest.raises(RPCError, match="allow-list"):
-                await client.collective_rpc("sleep", [1])
+                await client.collective_rpc("sleep_device", [1])
             await client.sleep(2)
             assert client.is_sleeping
             assert await client.collective_rpc("device_weight_bytes") == [0]

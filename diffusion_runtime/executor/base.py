@@ -77,12 +77,12 @@ class DiffusionExecutor(abc.ABC):
     def sleep(self, level: int = 1) -> None:
         """Free every worker's device memory at ``level`` (1: weights to host memory;
         2: weights dropped). The caller sends no wave until :meth:`wake_up`."""
-        self.collective_rpc("sleep", (level,))
+        self.collective_rpc("sleep_device", (level,))
         self.sleep_level = level
 
     def wake_up(self) -> None:
         """Restore on every worker what :meth:`sleep` freed."""
-        self.collective_rpc("wake_up")
+        self.collective_rpc("wake_device")
         self.sleep_level = None
 
     @property

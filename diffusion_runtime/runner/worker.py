@@ -80,9 +80,9 @@ class Worker:
             "device_name",
             "warmup_request",
             "validate_request",
-            "sleep",
-            "wake_up",
-            "is_sleeping",
+            "sleep_device",
+            "wake_device",
+            "device_sleeping",
             "device_weight_bytes",
             "start_profile",
             "stop_profile",
@@ -91,7 +91,8 @@ class Worker:
     #: Methods only the executor may call: they run or drop scheduler decisions.
     EXECUTION_METHODS = frozenset({"execute_model", "release_requests"})
     #: Methods only the engine core may call: it must know the workers sleep.
-    SLEEP_METHODS = frozenset({"sleep", "wake_up"})
+    #: (Not named ``sleep``: a user's extension may well have a method of that name.)
+    SLEEP_METHODS = frozenset({"sleep_device", "wake_device"})
     #: Methods no caller reaches through ``collective_rpc`` or the stage.
     RESERVED_METHODS = EXECUTION_METHODS | SLEEP_METHODS
 
@@ -186,15 +187,15 @@ class Worker:
         if fn is not None:
             fn(prompt, params)
 
-    def sleep(self, level: int) -> None:
+    def sleep_device(self, level: int) -> None:
         """Free the device's memory (see :class:`WorkerSleep`); only the core calls this."""
         self.sleeper.sleep(level)
 
-    def wake_up(self) -> None:
-        """Restore what :meth:`sleep` freed, exactly."""
+    def wake_device(self) -> None:
+        """Restore what :meth:`sleep_device` freed, exactly."""
         self.sleeper.wake_up()
 
-    def is_sleeping(self) -> bool:
+    def device_sleeping(self) -> bool:
         return self.sleeper.is_sleeping
 
     def device_weight_bytes(self) -> int:
