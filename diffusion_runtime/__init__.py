@@ -4,7 +4,7 @@ Every request is an explicit state machine; see :mod:`diffusion_runtime.fsm`.
 """
 
 from diffusion_runtime.config import EngineConfig
-from diffusion_runtime.engine import DiffusionEngine, EngineSnapshot
+from diffusion_runtime.engine import DiffusionEngine, EngineSnapshot, EngineState
 from diffusion_runtime.errors import (
     DeviceFault,
     DiffusionRuntimeError,
@@ -13,8 +13,10 @@ from diffusion_runtime.errors import (
     EngineDeadError,
     InvalidFieldError,
     PipelineContractError,
+    ProfilingError,
     QueueFullError,
     RPCError,
+    SleepStateError,
 )
 from diffusion_runtime.executor import DiffusionExecutor
 from diffusion_runtime.fsm import LifecycleEvent, LifecycleViolation, RequestStatus
@@ -33,16 +35,19 @@ __all__ = [
     "EngineConfig",
     "EngineDeadError",
     "EngineSnapshot",
+    "EngineState",
     "InvalidFieldError",
     "LifecycleEvent",
     "LifecycleViolation",
     "LoRARequest",
     "PipelineContractError",
+    "ProfilingError",
     "QueueFullError",
     "RPCError",
     "RequestMetrics",
     "RequestOutput",
     "RequestStatus",
     "SamplingParams",
+    "SleepStateError",
     "register_pipeline",
 ]

@@ -150,15 +150,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for i in range(len(prompts))
     ]
     out_dir = Path(args.out)
-    config = _engine_config(args, stream_progress=True)
+    config = attrs.evolve(_engine_config(args, stream_progress=True), profile_dir=args.profile)
     prepare_output_dir(out_dir)
     with DiffusionEngine.make_engine(config) as engine:
         total = sum(progress_units(sp, config.streaming_output) for sp in params)
         unit = "step" if config.streaming_output else "request"
+        if args.profile is not None:
+            engine.start_profile("generate")
         start = time.perf_counter()
         with tqdm(total=total, unit=unit, file=sys.stderr, disable=None) as bar:
             outputs = asyncio.run(run_with_progress(engine, prompts, params, bar))
         wall = time.perf_counter() - start
+        if args.profile is not None:
+            for path in engine.stop_profile():
+                print(f"profile: {path}", file=sys.stderr)
     images = 0
     for index, (prompt, out) in enumerate(zip(prompts, outputs, strict=True)):
         if not out.ok:
@@ -361,7 +366,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         intra_op_threads=args.intra_op_threads,
         request_batch_max_wait_ms=args.batch_wait_ms,
     )
-    server_config = ServerConfig(model_name=args.model_name, per_client_limit=args.per_client_limit)
+    server_config = ServerConfig(
+        model_name=args.model_name,
+        per_client_limit=args.per_client_limit,
+        admin_routes=args.admin_routes,
+    )
     serve(engine_config, server_config, host=args.host, port=args.port, access_log=args.access_log)
     return 0
 
@@ -387,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="output size in pixels (default: 64 for digits, else the pipeline's own)",
     )
     generate.add_argument("--out", default="out", help="output directory")
+    generate.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="write a torch.profiler trace of the run per worker into DIR",
+    )
     _engine_options(generate)
     generate.set_defaults(func=cmd_generate)
 
@@ -438,6 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
     serve.add_argument("--model-name", default=None, help="model name (default: the pipeline)")
+    serve.add_argument(
+        "--admin-routes",
+        action="store_true",
+        help="add the operator's /admin routes: sleep, wake_up, profile (docs/operations.md)",
+    )
     serve.add_argument("--max-queue-len", type=int, default=256, help="waiting requests (429)")
     serve.add_argument(
         "--per-client-limit",

@@ -172,6 +172,9 @@ class EngineConfig:
     many distinct adapters run in one step or wave, from device slots; up to
     ``max_cpu_loras`` (default ``max_loras``) stay loaded in host memory; an
     adapter's rank is at most ``max_lora_rank``.
+    ``profile_dir`` is where ``start_profile``/``stop_profile`` write one
+    ``torch.profiler`` trace per worker (``docs/operations.md``); ``None`` (the
+    default) refuses profiling, so no caller can make the engine fill a disk.
     """
 
     pipeline: str | Callable[..., Any] = attrs.field(default="digits", validator=_is_pipeline_spec)
@@ -226,6 +229,7 @@ class EngineConfig:
         default=None, validator=int_in_range(1, 65_536, optional=True)
     )
     max_lora_rank: int = attrs.field(default=16, validator=int_in_range(1, 1024))
+    profile_dir: str | None = attrs.field(default=None, validator=_is_optional_path)
 
     def __attrs_post_init__(self) -> None:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

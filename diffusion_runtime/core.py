@@ -27,6 +27,7 @@ engine can drive a core from its own loop.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import logging
 import time
@@ -44,7 +45,9 @@ from diffusion_runtime.errors import (
     EngineDeadError,
     InvalidFieldError,
     LoRAError,
+    ProfilingError,
     QueueFullError,
+    SleepStateError,
     describe_error,
 )
 from diffusion_runtime.executor.base import DiffusionExecutor
@@ -71,6 +74,8 @@ from diffusion_runtime.lora.control import AdapterControl
 from diffusion_runtime.lora.weights import AdapterFileError
 from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.outputs import RequestMetrics, RequestOutput, images_digest
+from diffusion_runtime.runner.profiling import checked_profile_prefix
+from diffusion_runtime.runner.sleep import checked_sleep_level
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 from diffusion_runtime.scheduler.request import Request
@@ -86,6 +91,19 @@ WARMUP_REQUEST_ID = "warmup"
 
 #: An output and the request it belongs to (traced when it is delivered).
 _Outgoing = tuple[Request, RequestOutput]
+
+
+class EngineState(enum.Enum):
+    """What an engine core is doing, as one value (:attr:`EngineCore.state`)."""
+
+    SERVING = "serving"
+    #: :meth:`EngineCore.pause`: no wave starts; requests and aborts queue up.
+    PAUSED = "paused"
+    #: :meth:`EngineCore.sleep`: the workers freed their device memory; requests
+    #: are admitted and wait, aborts apply, no wave starts.
+    SLEEPING = "sleeping"
+    DEAD = "dead"
+    SHUT_DOWN = "shut_down"
 
 
 @attrs.frozen
@@ -111,7 +129,8 @@ class StepResult:
     ``outputs``: the outputs it produced, in order. ``executed``: whether it
     sent a wave (or a release) to the workers. ``wake_at`` (on the core's
     clock): when the core next needs a step if nothing new arrives; ``None``
-    means only new input (or :meth:`EngineCore.resume`) gives it work.
+    means only new input (or :meth:`EngineCore.resume`, or
+    :meth:`EngineCore.wake_up`) gives it work.
     """
 
     outputs: list[RequestOutput]
@@ -166,6 +185,7 @@ class EngineCore:
         self._last_batch_key: tuple[SamplingParams | None, Hashable] = (None, None)
         self._dead: EngineDeadError | None = None
         self._shut_down = False
+        self._sleep_level: int | None = None
         # Set when an abort ends a running request whose runner state the workers
         # hold: released before the core returns, so no caller ever sees it held.
         self._release_due = False
@@ -280,6 +300,21 @@ class EngineCore:
         return self._inbox.paused
 
     @property
+    def is_sleeping(self) -> bool:
+        return self._sleep_level is not None
+
+    @property
+    def state(self) -> EngineState:
+        """Dead, shut down, sleeping, paused or serving (the first that holds)."""
+        if self._dead is not None:
+            return EngineState.DEAD
+        if self._shut_down:
+            return EngineState.SHUT_DOWN
+        if self._sleep_level is not None:
+            return EngineState.SLEEPING
+        return EngineState.PAUSED if self._inbox.paused else EngineState.SERVING
+
+    @property
     def queue_length(self) -> int:
         """Requests queued or admitted and not yet scheduled."""
         return self._inbox.num_requests + self.scheduler.num_waiting
@@ -385,6 +420,12 @@ class EngineCore:
         now = self.clock()
         expired = self.scheduler.expire_waiting(now)
         self._deliveries.put(self._final_output(ended, None) for ended in expired)
+        if self._sleep_level is not None:  # asleep: admit, abort and release; run nothing
+            self._send_release()
+            outputs += self._delivered(wait=True)
+            wakeup = self.scheduler.next_wakeup()  # a deadline that drops a waiting request
+            due = wakeup if wakeup is not None and wakeup > now else None
+            return StepResult(outputs, False, due)
         output = self._trace_wave(self.scheduler.schedule(now))
         if output is None:  # nothing left to overlap with: wait for copies in flight
             outputs += self._delivered(wait=True)
@@ -589,6 +630,71 @@ class EngineCore:
             for request in self.scheduler.requests.values()
             if request.params.lora is not None
         }
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the workers' device memory; start no wave until :meth:`wake_up`.
+
+        Call it between steps, so the current wave or step has ended. While
+        asleep, requests are admitted and wait, aborts apply, and requests
+        running in step mode stay running: their step state moves to host
+        memory and they resume unchanged after :meth:`wake_up`. Level 1 moves
+        the weights to host memory; level 2 drops them, and the pipeline
+        reloads them from its source on wake (``docs/operations.md``).
+
+        Raises ``InvalidFieldError`` for another level, :class:`SleepStateError` when
+        already asleep, and what the workers raise when they refuse (such as
+        :class:`~diffusion_runtime.errors.PipelineContractError` at level 2 for
+        a pipeline without ``reload_weights``); the core is then still awake.
+        """
+        self._check_alive()
+        level = checked_sleep_level(level)
+        if self._sleep_level is not None:
+            raise SleepStateError(f"the engine is already asleep (level {self._sleep_level})")
+        try:
+            self.executor.sleep(level)
+        except BaseException:
+            # Workers that did sleep wake again (a worker's wake is a no-op while awake).
+            try:
+                self.executor.wake_up()
+            except Exception:
+                logger.exception("waking the workers after a failed sleep failed")
+            raise
+        self._sleep_level = level
+        if self.machine.traced:
+            self.machine.publish(EngineEvent("sleeping", time.monotonic(), f"level {level}"))
+
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed, exactly, and serve again: outputs are
+        bit-identical to those before the sleep. Raises :class:`SleepStateError`
+        when awake; if the workers fail to wake, the core stays asleep."""
+        self._check_alive()
+        if self._sleep_level is None:
+            raise SleepStateError("the engine is awake; wake_up follows sleep")
+        self.executor.wake_up()
+        self._sleep_level = None
+        if self.machine.traced:
+            self.machine.publish(EngineEvent("awake", time.monotonic()))
+
+    def start_profile(self, prefix: str | None = None) -> list[str]:
+        """Run ``torch.profiler`` on every worker until :meth:`stop_profile`; returns
+        the trace paths, one per worker: ``<profile_dir>/<prefix>-rank<r>.json``.
+
+        ``prefix`` (default: ``profile-<nanoseconds>``) is a plain file-name part.
+        Raises :class:`ProfilingError` without ``EngineConfig.profile_dir``, for a
+        bad prefix, or while profiling."""
+        self._check_alive()
+        if self.config.profile_dir is None:
+            raise ProfilingError("profiling is off: set EngineConfig(profile_dir=...)")
+        prefix = checked_profile_prefix(f"profile-{time.time_ns()}" if prefix is None else prefix)
+        return self.executor.start_profile(prefix)
+
+    def stop_profile(self) -> list[str]:
+        """Stop profiling and write one trace per worker; returns their paths.
+        Raises :class:`ProfilingError` when not profiling."""
+        self._check_alive()
+        if self.config.profile_dir is None:
+            raise ProfilingError("profiling is off: set EngineConfig(profile_dir=...)")
+        return self.executor.stop_profile()
 
     def snapshot(self) -> EngineSnapshot:
         """Per-request state held by the scheduler and the runner (an executor holds none)."""

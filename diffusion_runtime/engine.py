@@ -36,7 +36,7 @@ import attrs
 
 from diffusion_runtime.admission import RequestMinter
 from diffusion_runtime.config import EngineConfig
-from diffusion_runtime.core import EngineCore, EngineSnapshot, StepResult
+from diffusion_runtime.core import EngineCore, EngineSnapshot, EngineState, StepResult
 from diffusion_runtime.errors import (
     EngineClosedError,
     EngineDeadError,
@@ -66,7 +66,7 @@ from diffusion_runtime.streams import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiffusionEngine", "EngineSnapshot"]
+__all__ = ["DiffusionEngine", "EngineSnapshot", "EngineState"]
 
 
 @attrs.define
@@ -291,9 +291,10 @@ class DiffusionEngine:
     ) -> Any:
         """Call a worker method between steps (so it never races a wave); see
         :meth:`DiffusionExecutor.collective_rpc`. The methods that run scheduler
-        outputs are not callable here: only the scheduler decides what runs."""
-        if method in Worker.EXECUTION_METHODS:
-            raise RPCError(f"method {method!r} is reserved for the executor")
+        outputs are not callable here (only the scheduler decides what runs),
+        nor ``sleep``/``wake_up`` (call :meth:`sleep` and :meth:`wake_up`)."""
+        if method in Worker.RESERVED_METHODS:
+            raise RPCError(f"method {method!r} is reserved for the executor and the core")
         timeout = checked_timeout(timeout)
         try:
             return self._between_steps(
@@ -340,6 +341,41 @@ class DiffusionEngine:
         with self._changed:
             self.core.resume()
             self._changed.notify_all()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device's memory once the current wave or step ends, and start no
+        wave until :meth:`wake_up`. Level 1 moves the weights to host memory,
+        level 2 drops them (the pipeline reloads them on wake). Meanwhile requests
+        are admitted and wait (a ``generate`` with a timeout times out), aborts
+        apply, and step-mode requests already running resume after the wake
+        where they stopped. See :meth:`EngineCore.sleep` and ``docs/operations.md``."""
+        self._between_steps(lambda: self.core.sleep(level))
+
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed; outputs are bit-identical to before it.
+        Raises :class:`~diffusion_runtime.errors.SleepStateError` when awake."""
+        self._between_steps(self.core.wake_up)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping
+
+    @property
+    def state(self) -> EngineState:
+        """The core's state: serving, paused, sleeping, dead or shut down."""
+        return self.core.state
+
+    def start_profile(self, prefix: str | None = None) -> list[str]:
+        """Run ``torch.profiler`` on every worker from the next step on; returns the
+        paths :meth:`stop_profile` writes, one per worker, in ``EngineConfig.profile_dir``
+        (without it the call raises :class:`~diffusion_runtime.errors.ProfilingError`)."""
+        paths: list[str] = self._between_steps(lambda: self.core.start_profile(prefix))
+        return paths
+
+    def stop_profile(self) -> list[str]:
+        """Stop profiling and write one trace per worker; returns their paths."""
+        paths: list[str] = self._between_steps(self.core.stop_profile)
+        return paths
 
     def check_health(self) -> None:
         """Raise :class:`EngineDeadError` if the executor or the core has failed,

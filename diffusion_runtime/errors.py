@@ -91,6 +91,16 @@ class PipelineContractError(DiffusionRuntimeError):
     """A pipeline lacks what the configured execution mode needs."""
 
 
+class SleepStateError(DiffusionRuntimeError):
+    """``sleep`` or ``wake_up`` came in the wrong order: ``wake_up`` while awake,
+    ``sleep`` while asleep, or a wave sent to a sleeping worker."""
+
+
+class ProfilingError(DiffusionRuntimeError):
+    """A profiling call was refused: no ``EngineConfig.profile_dir``, a bad prefix,
+    ``start_profile`` while profiling or ``stop_profile`` while not."""
+
+
 def describe_error(exc: BaseException) -> str:
     """How an exception is reported to a caller in one line: its type and message."""
     return f"{type(exc).__name__}: {exc}"

@@ -254,3 +254,9 @@ def test_the_schedulers_guide_example_subclasses_an_exported_scheduler(tmp_path:
 
 def test_the_schedulers_guide_policy_example_runs(tmp_path: Path) -> None:
     run_block(tmp_path, DOCS / "schedulers.md", "class FewestRemainingStepsFirst")
+
+
+def test_the_operations_guide_sleep_example_restores_exactly(tmp_path: Path) -> None:
+    out = run_block(tmp_path, DOCS / "operations.md", "engine.sleep(level=2)")
+    assert "asleep: [0] bytes of weights, was [5209344]" in out
+    assert "bit-identical after wake: True" in out

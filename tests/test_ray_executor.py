@@ -436,3 +436,21 @@ class TestLifecycleOverRayActors(harness(max_examples=2)):  # type: ignore[misc]
 @pytest.mark.usefixtures("two_nodes")
 class TestLifecycleOverRayActorsAtLength(harness(max_examples=20)):  # type: ignore[misc]
     pass
+
+
+def test_ray_workers_sleep_at_level_2_and_wake_bit_identical(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    """Sleep reaches Ray actors through the executor's generic collective calls."""
+    engine = ray_engine(pipeline="digits", execution_mode="step")
+    prompts = ["3", "8"]
+    before = engine.generate(prompts, FAST)
+    held = engine.collective_rpc("device_weight_bytes")
+    engine.sleep(2)
+    assert engine.is_sleeping and engine.collective_rpc("device_weight_bytes") == [0, 0]
+    engine.wake_up()
+    assert engine.collective_rpc("device_weight_bytes") == held
+    after = engine.generate(prompts, FAST)
+    for got, want in zip(after, before, strict=True):
+        assert got.image_batch is not None and want.image_batch is not None
+        assert got.image_batch.equal(want.image_batch)

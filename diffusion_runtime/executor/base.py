@@ -39,6 +39,8 @@ class DiffusionExecutor(abc.ABC):
         self._failure: str | None = None
         self._failure_callbacks: list[Callable[[str], None]] = []
         self._failure_lock = threading.Lock()
+        #: The level the workers sleep at (:meth:`sleep`), or ``None`` while awake.
+        self.sleep_level: int | None = None
 
     # -- the contract ----------------------------------------------------------------
 
@@ -69,6 +71,33 @@ class DiffusionExecutor(abc.ABC):
         """
         check_request_input(prompt, params)
         self.collective_rpc("validate_request", (prompt, params), unique_reply_rank=0)
+
+    # -- operations: sleep and profiling, on every worker ------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free every worker's device memory at ``level`` (1: weights to host memory;
+        2: weights dropped). The caller sends no wave until :meth:`wake_up`."""
+        self.collective_rpc("sleep_device", (level,))
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Restore on every worker what :meth:`sleep` freed."""
+        self.collective_rpc("wake_device")
+        self.sleep_level = None
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level is not None
+
+    def start_profile(self, prefix: str) -> list[str]:
+        """Start ``torch.profiler`` on every worker; the trace paths, by rank."""
+        paths: list[str] = self.collective_rpc("start_profile", (prefix,))
+        return paths
+
+    def stop_profile(self) -> list[str]:
+        """Stop profiling and write one trace per worker; their paths, by rank."""
+        paths: list[str] = self.collective_rpc("stop_profile")
+        return paths
 
     # -- health ------------------------------------------------------------------------
 

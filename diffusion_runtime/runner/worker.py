@@ -11,11 +11,20 @@ import torch
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
-from diffusion_runtime.errors import InvalidFieldError, LoRAError, PipelineContractError, RPCError
+from diffusion_runtime.errors import (
+    InvalidFieldError,
+    LoRAError,
+    PipelineContractError,
+    RPCError,
+    SleepStateError,
+)
 from diffusion_runtime.lora.store import AdapterStore
 from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.pipelines.registry import build_pipeline, import_object
 from diffusion_runtime.runner.model_runner import ModelRunner
+from diffusion_runtime.runner.profiling import WorkerProfiler
+from diffusion_runtime.runner.sleep import WorkerSleep
+from diffusion_runtime.runner.weights import device_weight_bytes
 from diffusion_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,6 +94,12 @@ class Worker:
             "remove_lora",
             "list_loras",
             "staged_lora_ids",
+            "sleep_device",
+            "wake_device",
+            "device_sleeping",
+            "device_weight_bytes",
+            "start_profile",
+            "stop_profile",
         }
     )
     #: Methods only the executor may call: they run or drop scheduler decisions, or
@@ -100,6 +115,11 @@ class Worker:
             "remove_lora",
         }
     )
+    #: Methods only the engine core may call: it must know the workers sleep.
+    #: (Not named ``sleep``: a user's extension may well have a method of that name.)
+    SLEEP_METHODS = frozenset({"sleep_device", "wake_device"})
+    #: Methods no caller reaches through ``collective_rpc`` or the stage.
+    RESERVED_METHODS = EXECUTION_METHODS | SLEEP_METHODS
 
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
@@ -121,6 +141,8 @@ class Worker:
                 offload_budget_bytes=config.preempted_offload_bytes,
             )
             self.adapters = self._adapter_store()
+            self.sleeper = WorkerSleep(self.pipeline, self.runner, self.device)
+            self.profiler = WorkerProfiler(config.profile_dir, rank, self.device)
             self._methods.update((name, getattr(self, name)) for name in self.RPC_METHODS)
             for extension in config.worker_extensions:
                 self._add_extension(extension)
@@ -163,6 +185,8 @@ class Worker:
     # -- built-in methods ----------------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        if self.sleeper.is_sleeping and scheduler_output.has_work:
+            raise SleepStateError(f"worker {self.rank} is asleep: it runs no wave")
         if self.adapters is not None:
             self.adapters.activate(self._adapters_of(scheduler_output))
         return self.runner.execute_model(scheduler_output)
@@ -191,12 +215,36 @@ class Worker:
         if fn is not None:
             fn(prompt, params)
 
+    def sleep_device(self, level: int) -> None:
+        """Free the device's memory (see :class:`WorkerSleep`); only the core calls this."""
+        self.sleeper.sleep(level)
+
+    def wake_device(self) -> None:
+        """Restore what :meth:`sleep_device` freed, exactly."""
+        self.sleeper.wake_up()
+
+    def device_sleeping(self) -> bool:
+        return self.sleeper.is_sleeping
+
+    def device_weight_bytes(self) -> int:
+        """Bytes of weight storage the pipeline holds on this worker's device."""
+        return device_weight_bytes(self.pipeline, self.device)
+
+    def start_profile(self, prefix: str) -> str:
+        """Start ``torch.profiler``; returns where :meth:`stop_profile` writes the trace."""
+        return self.profiler.start(prefix)
+
+    def stop_profile(self) -> str:
+        """Stop ``torch.profiler`` and write this worker's trace; returns its path."""
+        return self.profiler.stop()
+
     def shutdown(self) -> None:
         """Release the pipeline and, on CUDA, the cached device memory."""
         self._methods.clear()
+        self.profiler.close()
         self._close_pipeline()
         self.adapters = None
-        del self.pipeline, self.runner
+        del self.pipeline, self.runner, self.sleeper  # the sleeper holds host copies
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.errors import DiffusionRuntimeError
+from diffusion_runtime.serving.admin import add_admin_routes
 from diffusion_runtime.serving.body_limit import BodySizeLimit
 from diffusion_runtime.serving.config import ServerConfig
 from diffusion_runtime.serving.errors import APIError, engine_error, install_error_handlers
@@ -152,4 +153,6 @@ def build_app(
         """Prometheus text format; see docs/serving.md for every metric."""
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if config.admin_routes:
+        add_admin_routes(app, engine, config.retry_after_s)
     return app

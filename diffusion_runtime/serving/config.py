@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from diffusion_runtime.validation import fail, finite_in_range, int_in_range
+from diffusion_runtime.validation import fail, finite_in_range, int_in_range, is_bool
 
 
 def _is_optional_name(
@@ -27,6 +27,8 @@ class ServerConfig:
     sent with a 429. Images asked for as ``url`` are kept ``image_ttl_s``
     seconds, at most ``max_stored_images`` of them. A progress stream sends a
     keep-alive comment after ``stream_keepalive_s`` seconds of silence.
+    ``admin_routes`` adds the operator's ``/admin/...`` routes (sleep, wake,
+    profile; ``docs/operations.md``), off by default.
     """
 
     model_name: str | None = attrs.field(default=None, validator=_is_optional_name)
@@ -40,3 +42,4 @@ class ServerConfig:
     image_ttl_s: float = attrs.field(default=3_600.0, validator=finite_in_range(1.0, 604_800.0))
     max_stored_images: int = attrs.field(default=1_024, validator=int_in_range(1, 2**24))
     stream_keepalive_s: float = attrs.field(default=15.0, validator=finite_in_range(0.01, 3_600.0))
+    admin_routes: bool = attrs.field(default=False, validator=is_bool)

@@ -32,6 +32,7 @@ from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine
 from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.routes import OutputRoutes
+from diffusion_runtime.runner.sleep import checked_sleep_level
 from diffusion_runtime.sampling_params import SamplingParams, checked_params, prompts_and_params
 from diffusion_runtime.stage.batch import BatchRequest, child_request_id
 from diffusion_runtime.stage.codec import (
@@ -56,15 +57,18 @@ from diffusion_runtime.stage.messages import (
     CollectiveRPC,
     Error,
     Pause,
+    Profile,
     Ready,
     Result,
     Resume,
     RPCResult,
+    Sleep,
     StageDead,
     StartFailed,
     Status,
     StatusQuery,
     ToStage,
+    WakeUp,
     decode_from_stage,
     encode,
 )
@@ -133,6 +137,7 @@ class StageClient:
         self._calls: dict[int, asyncio.Future[Any]] = {}
         #: Aborts on their way to the socket (sent from a task, as abort() is sync).
         self._aborts_in_flight: set[asyncio.Future[Any]] = set()
+        self._sleeping = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -433,6 +438,43 @@ class StageClient:
         """Never evict this adapter; False if it is not loaded."""
         pinned: bool = await self.collective_rpc("pin_lora", [adapter_id])
         return pinned
+
+    async def sleep(self, level: int = 1) -> None:
+        """Put the stage's engine to sleep once its current wave or step ends (see
+        ``EngineCore.sleep`` and ``docs/operations.md``): requests sent meanwhile
+        are admitted and wait. Raises what the core raises (``SleepStateError``,
+        ``PipelineContractError``)."""
+        checked_sleep_level(level)
+        await self._operate(lambda call_id: Sleep(call_id, level))
+        self._sleeping = True
+
+    async def wake_up(self) -> None:
+        """Restore what :meth:`sleep` freed; the stage serves again."""
+        await self._operate(WakeUp)
+        self._sleeping = False
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether the last :meth:`sleep` or :meth:`wake_up` of this client left the
+        stage asleep."""
+        return self._sleeping
+
+    async def start_profile(self, prefix: str | None = None) -> list[str]:
+        """Start ``torch.profiler`` on every worker of the stage (``profile_dir`` must
+        be set in its config); returns the trace paths, by rank."""
+        paths: list[str] = await self._operate(lambda call_id: Profile(call_id, True, prefix))
+        return paths
+
+    async def stop_profile(self) -> list[str]:
+        """Stop profiling and write one trace per worker; returns their paths."""
+        paths: list[str] = await self._operate(lambda call_id: Profile(call_id, False))
+        return paths
+
+    async def _operate(self, make: Callable[[int], ToStage]) -> Any:
+        reply = await self._call(make)
+        if not isinstance(reply, RPCResult):
+            raise StageProtocolError(f"the stage answered with {type(reply).__name__}")
+        return reply.value
 
     async def pause(self) -> None:
         """Hold the stage's core: once the stage reads this, it starts no wave (or

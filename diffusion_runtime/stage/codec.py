@@ -181,6 +181,8 @@ _REBUILT: dict[str, type[Exception]] = {
         errors.RPCError,
         errors.PipelineContractError,
         errors.LoRAError,
+        errors.SleepStateError,
+        errors.ProfilingError,
         ValueError,
         TypeError,
         KeyError,

@@ -8,7 +8,8 @@ tensor's raw bytes, laid out as its :class:`TensorMeta` says.
 
 Client → stage (:data:`ToStage`): :class:`AddRequest`, :class:`AddRequests`,
 :class:`Abort`, :class:`Pause`, :class:`Resume`, :class:`CollectiveRPC`,
-:class:`StatusQuery`, :class:`Shutdown`.
+:class:`StatusQuery`, :class:`Sleep`, :class:`WakeUp`, :class:`Profile`,
+:class:`Shutdown`.
 Stage → client (:data:`FromStage`): :class:`Ready` or :class:`StartFailed` once,
 then :class:`Admitted`, :class:`Result`, :class:`Error`, :class:`RPCResult`,
 :class:`Status`, and :class:`StageDead` last if the core dies.
@@ -139,11 +140,45 @@ class StatusQuery(_Message, frozen=True):
     call_id: int
 
 
+class Sleep(_Message, frozen=True):
+    """``EngineCore.sleep(level)`` between two steps; answered by an :class:`RPCResult`."""
+
+    call_id: int
+    level: int
+
+
+class WakeUp(_Message, frozen=True):
+    """``EngineCore.wake_up()``; answered by an :class:`RPCResult`."""
+
+    call_id: int
+
+
+class Profile(_Message, frozen=True):
+    """``start_profile(prefix)`` or ``stop_profile()`` on the core; the reply's value
+    is the trace paths, by rank."""
+
+    call_id: int
+    is_start: bool
+    prefix: str | None = None
+
+
 class Shutdown(_Message, frozen=True):
     pass
 
 
-ToStage = AddRequest | AddRequests | Abort | Pause | Resume | CollectiveRPC | StatusQuery | Shutdown
+ToStage = (
+    AddRequest
+    | AddRequests
+    | Abort
+    | Pause
+    | Resume
+    | CollectiveRPC
+    | StatusQuery
+    | Sleep
+    | WakeUp
+    | Profile
+    | Shutdown
+)
 
 
 # -- stage → client --------------------------------------------------------------------

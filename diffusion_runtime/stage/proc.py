@@ -24,7 +24,9 @@ import signal
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import attrs
 import zmq
@@ -51,15 +53,18 @@ from diffusion_runtime.stage.messages import (
     CollectiveRPC,
     FromStage,
     Pause,
+    Profile,
     Ready,
     Resume,
     RPCResult,
     Shutdown,
+    Sleep,
     StageDead,
     StartFailed,
     Status,
     StatusQuery,
     ToStage,
+    WakeUp,
     decode_to_stage,
     encode,
     salvage_ids,
@@ -326,6 +331,15 @@ class StageProc:
             self._collective_rpc(message)
         elif isinstance(message, StatusQuery):
             self._status(message)
+        elif isinstance(message, Sleep):
+            self._operate(message.call_id, lambda: self.core.sleep(message.level))
+        elif isinstance(message, WakeUp):
+            self._operate(message.call_id, self.core.wake_up)
+        elif isinstance(message, Profile):
+            if message.is_start:
+                self._operate(message.call_id, lambda: self.core.start_profile(message.prefix))
+            else:
+                self._operate(message.call_id, self.core.stop_profile)
         elif isinstance(message, Shutdown):
             self._finish(0)
 
@@ -376,7 +390,10 @@ class StageProc:
         """Run an allow-listed worker method between two steps and send its reply."""
         call_id = message.call_id
         if message.method in ADAPTER_CALLS:
-            self._adapter_call(message)
+            self._operate(
+                message.call_id,
+                lambda: run_adapter_call(self.core, message.method, message.args),
+            )
             return
         if message.method not in self._allowed:
             refusal = RPCError(
@@ -413,16 +430,16 @@ class StageProc:
             return
         self._replies.send(frame)
 
-    def _adapter_call(self, message: CollectiveRPC) -> None:
-        """Run an adapter call on the core (see :mod:`~diffusion_runtime.stage.adapter_calls`)."""
+    def _operate(self, call_id: int, call: Callable[[], Any]) -> None:
+        """Run an operator's call on the core (adapters, sleep, wake, profile) and reply."""
         try:
-            value = run_adapter_call(self.core, message.method, message.args)
+            value = call()
         except Exception as exc:
-            self._send(error_to_msg(exc, call_id=message.call_id))
+            self._send(error_to_msg(exc, call_id=call_id))
             if isinstance(exc, EngineDeadError):
                 raise
             return
-        self._replies.send(encode(RPCResult(message.call_id, value)))
+        self._send(RPCResult(call_id, value))
 
     def _status(self, message: StatusQuery) -> None:
         error = None

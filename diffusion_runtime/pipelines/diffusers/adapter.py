@@ -49,6 +49,10 @@ class DiffusersPipeline:
     is batched with, and differ from diffusers' own output by that rounding.
 
     The pipeline object is moved to ``device``. See :data:`SUPPORTED_PIPELINES`.
+
+    ``source``, when given, builds the same diffusers pipeline again (from the
+    files it was loaded from): the adapter then has ``reload_weights()`` and
+    can sleep at level 2 (``docs/operations.md``). Without it, level 1 only.
     """
 
     supports_request_batch = True
@@ -59,6 +63,7 @@ class DiffusersPipeline:
         device: torch.device | str = "cpu",
         *,
         rows_per_call: int | None = None,
+        source: Callable[[], Any] | None = None,
     ) -> None:
         family_cls = family_for(pipe)
         if rows_per_call is not None and (
@@ -72,6 +77,9 @@ class DiffusersPipeline:
         self.device = torch.device(device)
         self.rows_per_call = rows_per_call
         self._family: Family | None = family_cls(pipe.to(self.device), self.device)
+        if source is not None:
+            # An instance attribute: the runtime looks the optional member up by name.
+            self.reload_weights = lambda: self._reload(source)
         self._scheduler_template = copy.deepcopy(pipe.scheduler)
         #: Whether requests at the same step share one scheduler step (see :meth:`step_batch`).
         self.stacks_scheduler_steps = steps_stack_exactly(
@@ -178,6 +186,12 @@ class DiffusersPipeline:
     def close(self) -> None:
         """Drop the pipeline."""
         self._family = None
+
+    def _reload(self, source: Callable[[], Any]) -> None:
+        """Build the wrapped pipeline again from its source (after a level-2 sleep)."""
+        family = self.family
+        pipe = source()
+        self._family = type(family)(pipe.to(self.device), self.device)
 
     def _denoise(self, groups: Sequence[StepGroup], cache: dict[str, Any]) -> list[torch.Tensor]:
         """Each group's guided model output, from one denoiser call over all groups' rows."""

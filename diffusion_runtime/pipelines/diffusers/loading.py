@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +27,8 @@ def from_pretrained_dir(
     The engine calls this for ``EngineConfig(pipeline="diffusers",
     pipeline_kwargs={"path": ...})``. ``torch_dtype`` names a torch dtype
     (``"float16"``); the class saved in ``model_index.json`` is checked
-    before any weight is read.
+    before any weight is read. The adapter reloads from ``path`` after a
+    level-2 sleep.
     """
     root = Path(path)
     index = root / "model_index.json"
@@ -40,7 +42,11 @@ def from_pretrained_dir(
         if not isinstance(dtype, torch.dtype):
             raise InvalidFieldError(_OWNER, "torch_dtype", "must name a torch dtype", torch_dtype)
     diffusers = importlib.import_module("diffusers")  # lazily: it takes seconds to import
-    pipe = diffusers.DiffusionPipeline.from_pretrained(
-        root, local_files_only=True, torch_dtype=dtype
-    )
-    return DiffusersPipeline(pipe, device, rows_per_call=rows_per_call)
+
+    def load() -> Any:
+        return diffusers.DiffusionPipeline.from_pretrained(
+            root, local_files_only=True, torch_dtype=dtype
+        )
+
+    # The source reloads the same files after a level-2 sleep.
+    return DiffusersPipeline(load(), device, rows_per_call=rows_per_call, source=load)

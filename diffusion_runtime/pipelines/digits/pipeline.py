@@ -82,15 +82,24 @@ class DigitsPipeline:
         self, device: torch.device | str = "cpu", weights_dir: str | Path | None = None
     ) -> None:
         self.device = torch.device(device)
-        root = WEIGHTS_DIR if weights_dir is None else Path(weights_dir)
-        self.config = DenoiserConfig.load(root / DENOISER_CONFIG)
-        model = DigitDenoiser(self.config)
-        state = load_file(str(root / DENOISER_WEIGHTS))
-        model.load_state_dict({k: v.float() for k, v in state.items()})
-        self._model: DigitDenoiser | None = model.to(self.device).eval().requires_grad_(False)
+        self._root = WEIGHTS_DIR if weights_dir is None else Path(weights_dir)
+        self.config = DenoiserConfig.load(self._root / DENOISER_CONFIG)
+        self._model: DigitDenoiser | None = self._load_model()
         self._alpha_bars = tuple(cosine_alpha_bars(self.config.num_train_timesteps).tolist())
         self._rows_per_call = _ROWS_PER_CALL.get(self.device.type, _ROWS_PER_CALL_DEFAULT)
         self._adapter_slots: AdapterSlots | None = None
+
+    def _load_model(self) -> DigitDenoiser:
+        model = DigitDenoiser(self.config)
+        state = load_file(str(self._root / DENOISER_WEIGHTS))
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+        return model.to(self.device).eval().requires_grad_(False)
+
+    def reload_weights(self) -> None:
+        """Load the network again from its weights file (after a level-2 sleep)."""
+        if self._model is None:
+            raise RuntimeError("DigitsPipeline is closed")
+        self._model = self._load_model()
 
     @property
     def model(self) -> DigitDenoiser:
