@@ -302,6 +302,22 @@ def test_mixed_adapter_step_batch_rows_equal_solo_runs(
     assert differs.abs().max() > 0.01, "the adapter changes the image"
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_adapters_survive_sleep_and_wake_bit_for_bit(
+    make_engine: Callable[..., DiffusionEngine], tmp_path: Path, level: int
+) -> None:
+    """A level-2 wake loads the network again under the same adapter slots."""
+    engine = make_engine("digits", execution_mode="step", max_loras=2)
+    request = params(adapter(tmp_path, 1, rank=4), seed=5)
+    [before] = engine.generate(["4"], [request])
+    engine.sleep(level)
+    engine.wake_up()
+    [after] = engine.generate(["4"], [request])
+    assert engine.list_loras() == [1]
+    assert before.ok and after.ok, after.error
+    assert torch.equal(before.image_batch, after.image_batch)
+
+
 def test_request_mode_waves_do_not_mix_adapters(
     cores: Callable[..., EngineCore], tmp_path: Path
 ) -> None:

@@ -143,13 +143,20 @@ def install_adapter_slots(
 ) -> AdapterSlots:
     """Replace every ``nn.Linear`` of ``model`` by a :class:`BatchedLoRALinear`
     sharing one new :class:`AdapterSlots`, and return the slots."""
-    linears = {
-        name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)
-    }
-    shapes = {name: (m.in_features, m.out_features) for name, m in linears.items()}
+    shapes = {name: (m.in_features, m.out_features) for name, m in _linears(model).items()}
     slots = AdapterSlots(shapes, max_loras, max_rank, device)
-    for name, linear in linears.items():
+    attach_adapter_slots(model, slots)
+    return slots
+
+
+def attach_adapter_slots(model: nn.Module, slots: AdapterSlots) -> None:
+    """Replace every ``nn.Linear`` of ``model`` by a :class:`BatchedLoRALinear`
+    over ``slots`` (as when the network is loaded again under the same slots)."""
+    for name, linear in _linears(model).items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, BatchedLoRALinear(linear, name, slots))
-    return slots
+
+
+def _linears(model: nn.Module) -> dict[str, nn.Linear]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}

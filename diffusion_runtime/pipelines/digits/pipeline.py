@@ -11,7 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from diffusion_runtime.errors import InvalidFieldError
-from diffusion_runtime.lora.layers import AdapterPlan, AdapterSlots, install_adapter_slots
+from diffusion_runtime.lora.layers import (
+    AdapterPlan,
+    AdapterSlots,
+    attach_adapter_slots,
+    install_adapter_slots,
+)
 from diffusion_runtime.pipelines.digits.model import (
     IMAGE_SIZE,
     PIXELS,
@@ -99,7 +104,10 @@ class DigitsPipeline:
         """Load the network again from its weights file (after a level-2 sleep)."""
         if self._model is None:
             raise RuntimeError("DigitsPipeline is closed")
-        self._model = self._load_model()
+        model = self._load_model()
+        if self._adapter_slots is not None:  # the adapters keep their slots
+            attach_adapter_slots(model, self._adapter_slots)
+        self._model = model
 
     @property
     def model(self) -> DigitDenoiser:
