@@ -72,7 +72,6 @@ FAST_SUBSET = {
     "victim-ties-preempt-oldest",
     "edf-ignores-priority",
     "stage-exit-skips-core-shutdown",
-    "stage-batch-failed-child-completes",
     "inbox-apart-from-pause",
     "missing-result-fails-wave",
     "own-step-failure-fails-step",
