@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 import attrs
 import hypothesis.strategies as st
+import torch
 from hypothesis.control import current_build_context
 from hypothesis.stateful import (
     Bundle,
@@ -138,6 +139,8 @@ class CoreLifecycleMachine(HarnessRoot):
         self._during_wave: Callable[[], None] | None = None
         self._rpc_calls = 0
         self._next_id = 0
+        #: Direct outputs computed before shutdown for requests it delivers completed.
+        self._expected_at_shutdown: dict[str, torch.Tensor | None] = {}
         #: Ids now preempted, with the order they were preempted in.
         self._preempted_order: dict[str, int] = {}
         #: States brought back from host memory so far (``preempted_offload_bytes``).
@@ -398,6 +401,7 @@ class CoreLifecycleMachine(HarnessRoot):
             self.reach.note("path: close with a preempted request")
         if self.queued:
             self.reach.note("path: close with queued requests")
+        self._expect_before_shutdown()
         self._take(self.core.shutdown())
         self.closed = True
         for rid in active:
@@ -476,6 +480,8 @@ class CoreLifecycleMachine(HarnessRoot):
 
     def _release_all(self) -> list[RequestOutput]:
         """Shut the core down and close the trace; the outputs the shutdown made."""
+        if self._alive:
+            self._expect_before_shutdown()
         try:
             return self.core.shutdown()
         finally:
@@ -502,6 +508,16 @@ class CoreLifecycleMachine(HarnessRoot):
                 assert final.status is RequestStatus.FINISHED_COMPLETED, (
                     f"{final.request_id!r} (prompt {record.prompt!r}) was valid and untouched "
                     f"by faults or aborts, yet ended {final.status}: {final.error}"
+                )
+
+    def _expect_before_shutdown(self) -> None:
+        """The direct outputs of requests that completed but whose outputs still wait
+        on a copy: shutdown delivers them after the engine closed its pipeline,
+        which the oracle may share."""
+        for rid, record in self.records.items():
+            if self.states.get(rid) is RequestStatus.FINISHED_COMPLETED and record.final is None:
+                self._expected_at_shutdown[rid] = self.oracle.images(
+                    record.prompt, record.params, record.seed
                 )
 
     def _check_fields(self, record: RequestRecord, final: RequestOutput) -> None:
@@ -631,7 +647,13 @@ class CoreLifecycleMachine(HarnessRoot):
             self._check_fields(record, output)
             self.reach.note(f"outcome: {output.status.name}")
             if output.status is RequestStatus.FINISHED_COMPLETED:
-                self.check_against_the_pipeline(output, record.prompt, record.params, record.seed)
+                self.check_against_the_pipeline(
+                    output,
+                    record.prompt,
+                    record.params,
+                    record.seed,
+                    self._expected_at_shutdown.pop(output.request_id, "now"),
+                )
                 if record.preempted:
                     self.reach.note("path: a preempted request completed as the oracle")
 
