@@ -15,10 +15,11 @@ that request (called directly, outside the engine), outputs depend on the
 seed, and nothing is left held. A rule fills the running set and then admits
 urgent work, so any scheduler that can preempt does; another preempts requests
 of distinct prompts and seeds one turn at a time, so they resume out of the
-order they were preempted in (each must still equal its own oracle). A rule holds each wave's
-device copies in flight (:mod:`.copies_in_flight`: their tensors unreadable
-until the core waits on them or a rule lands them), and no output may be
-delivered while its copy is in flight.
+order they were preempted in (each must still equal its own oracle). In half
+the examples (drawn first) each wave's device copies stay in flight
+(:mod:`.copies_in_flight`: their tensors unreadable until the core waits on
+them or a rule lands them), and no output may be delivered while its copy is
+in flight.
 :class:`~diffusion_runtime.testing.reach.Reach` counts the paths reached
 (:mod:`.deadline_harness` runs on a virtual clock, with deadlines).
 """
