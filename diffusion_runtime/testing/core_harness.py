@@ -648,13 +648,12 @@ class CoreLifecycleMachine(HarnessRoot):
             self._check_fields(record, output)
             self.reach.note(f"outcome: {output.status.name}")
             if output.status is RequestStatus.FINISHED_COMPLETED:
-                self.check_against_the_pipeline(
-                    output,
-                    record.prompt,
-                    record.params,
-                    record.seed,
-                    self._expected_at_shutdown.pop(output.request_id, "now"),
-                )
+                args = (output, record.prompt, record.params, record.seed)
+                if output.request_id in self._expected_at_shutdown:
+                    expected = self._expected_at_shutdown.pop(output.request_id)
+                    self.check_against_expected(*args, expected)
+                else:
+                    self.check_against_the_pipeline(*args)
                 if record.preempted:
                     self.reach.note("path: a preempted request completed as the oracle")
 

@@ -125,20 +125,34 @@ class HarnessRoot(RuleBasedStateMachine):
         )
 
     def check_against_the_pipeline(
+        self, output: RequestOutput, prompt: Any, params: SamplingParams, seed: int
+    ) -> None:
+        """A completed output equals the pipeline's own output, called directly now,
+        and another seed gives other images."""
+        self.check_against_expected(
+            output, prompt, params, seed, self.oracle.images(prompt, params, seed)
+        )
+        if not self.oracle.seed_free and self.seed_checks < SEED_CHECKS_PER_EXAMPLE:
+            self.seed_checks += 1
+            other = self.oracle.images(prompt, params, seed + 1)
+            assert output.image_batch is not None
+            assert other is None or not torch.equal(other, output.image_batch), (
+                f"the pipeline ignores the seed: prompt {prompt!r} gave equal "
+                f"images with seeds {seed} and {seed + 1} "
+                "(declare seed_free = True on a pipeline that means to)"
+            )
+
+    def check_against_expected(
         self,
         output: RequestOutput,
         prompt: Any,
         params: SamplingParams,
         seed: int,
-        expected: torch.Tensor | str | None = "now",
+        expected: torch.Tensor | None,
     ) -> None:
-        """A completed output equals the pipeline's own output, called directly, and
-        another seed gives other images. ``expected`` is the direct output when it
-        was computed earlier (while the pipeline was open); by default it is computed now."""
+        """A completed output equals ``expected``, the pipeline's own output for its
+        request (``None``: the pipeline alone failed it)."""
         assert output.image_batch is not None
-        computed_now = isinstance(expected, str)
-        if isinstance(expected, str):
-            expected = self.oracle.images(prompt, params, seed)
         assert expected is not None, (
             f"{output.request_id!r} completed, but the pipeline alone fails prompt {prompt!r}"
         )
@@ -146,18 +160,6 @@ class HarnessRoot(RuleBasedStateMachine):
             f"{output.request_id!r}: output differs from the pipeline run directly "
             f"(prompt {prompt!r}, {params}, seed {seed})"
         )
-        if (
-            computed_now
-            and not self.oracle.seed_free
-            and self.seed_checks < SEED_CHECKS_PER_EXAMPLE
-        ):
-            self.seed_checks += 1
-            other = self.oracle.images(prompt, params, seed + 1)
-            assert other is None or not torch.equal(other, output.image_batch), (
-                f"the pipeline ignores the seed: prompt {prompt!r} gave equal "
-                f"images with seeds {seed} and {seed + 1} "
-                "(declare seed_free = True on a pipeline that means to)"
-            )
 
 
 def configured(
