@@ -242,8 +242,7 @@ def test_a_hunted_mutation_replays_on_its_target(
     code, out, err = audit(capsys, "--replay", str(replay))
     assert code == 1, out + err
     [failure] = re.findall(r"^failure: (.*)$", out, re.M)
-    # The front makes request ids of a random prefix and a count.
-    assert same_but_ids(failure, ReplayFile.read(replay).failure), out
+    assert same_rule(failure, ReplayFile.read(replay).failure), out
     if mutation.target == "front":
         recipe["mutation"] = None
         replay.write_text(json.dumps({**json.loads(replay.read_text()), "recipe": recipe}))
@@ -262,9 +261,15 @@ def test_hunt_lists_the_catalogue_and_refuses_an_unknown_name(
     assert "error: no mutation named 'no-such-bug'" in capsys.readouterr().err
 
 
-def same_but_ids(one: str, other: str) -> bool:
+def same_rule(one: str, other: str) -> bool:
+    """Whether two failures break the same rule. A front runs its engine on a thread, so
+    which request a replay finds breaking the rule first (its id, its end state, its
+    transitions) may differ from the recorded run; the rule's words may not."""
+
     def masked(failure: str) -> str:
-        return re.sub(r"'[0-9a-f]{8}-(\d+)'", r"'ID-\1'", failure)
+        failure = re.sub(r"'[0-9a-f]{8}-\d+'", "'ID'", failure)
+        failure = re.sub(r"\bFINISHED_[A-Z]+\b", "STATUS", failure)
+        return re.sub(r"\[[^\]]*\]", "[...]", failure)
 
     return masked(one) == masked(other)
 
