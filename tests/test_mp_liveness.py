@@ -38,6 +38,10 @@ from diffusion_runtime.executor.uni import UniProcExecutor
 
 LIVENESS_S = 1.0
 GRACE_S = 0.5
+#: What a loaded 2-core machine may add to a bound (scheduling, reaping a process).
+#: The bugs these tests catch miss a bound by far more: a caller blocked until its
+#: own 30 s timeout, a close that waits out the 60 s default liveness.
+SLACK_S = 4.0
 
 
 class Pid:
@@ -112,7 +116,7 @@ def test_a_stopped_worker_fails_every_caller_within_the_bound_and_close_returns(
         with pytest.raises(EngineDeadError, match=r"worker 1 \(pid \d+\) stopped answering"):
             blocked.result(30)
         detected = time.monotonic() - stopped
-        assert detected <= LIVENESS_S + 1.0
+        assert detected <= LIVENESS_S + SLACK_S
         with pytest.raises(EngineDeadError, match="stopped answering"):
             engine.check_health()
         with pytest.raises(EngineDeadError):
@@ -120,7 +124,7 @@ def test_a_stopped_worker_fails_every_caller_within_the_bound_and_close_returns(
     finally:
         started = time.monotonic()
         engine.close()
-    assert time.monotonic() - started <= GRACE_S + 1.0
+    assert time.monotonic() - started <= GRACE_S + SLACK_S
     assert engine_threads() == []
     assert not [pid for pid in pids if process_exists(pid)]
 
@@ -132,7 +136,7 @@ def test_close_returns_while_a_worker_is_stopped_between_waves(stopped_pids: lis
     stopped_pids.append(pids[0])
     started = time.monotonic()
     engine.close()
-    assert time.monotonic() - started <= GRACE_S + 1.0
+    assert time.monotonic() - started <= GRACE_S + SLACK_S
     assert not [pid for pid in pids if process_exists(pid)]
 
 
