@@ -175,6 +175,9 @@ class EngineConfig:
     ``profile_dir`` is where ``start_profile``/``stop_profile`` write one
     ``torch.profiler`` trace per worker (``docs/operations.md``); ``None`` (the
     default) refuses profiling, so no caller can make the engine fill a disk.
+    ``max_trajectory_steps`` bounds the memory of one returned trajectory: a
+    request with ``return_trajectory`` and more steps is refused at admission
+    (``docs/outputs.md``).
     """
 
     pipeline: str | Callable[..., Any] = attrs.field(default="digits", validator=_is_pipeline_spec)
@@ -230,6 +233,7 @@ class EngineConfig:
     )
     max_lora_rank: int = attrs.field(default=16, validator=int_in_range(1, 1024))
     profile_dir: str | None = attrs.field(default=None, validator=_is_optional_path)
+    max_trajectory_steps: int = attrs.field(default=1000, validator=int_in_range(1, 100_000))
 
     def __attrs_post_init__(self) -> None:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

@@ -9,7 +9,8 @@ another to speak this contract.
 from __future__ import annotations
 
 import abc
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -102,6 +103,11 @@ class RunnerOutput:
     and the auditor check them against the scheduler's output).
     ``output_ready`` tells when ``images`` and ``previews`` are complete (see
     :class:`OutputFence`); read no tensor of them before it is ready.
+    A request that asked for latents (``output_type="latent"``) has them in
+    ``images``; one that asked for a trajectory has its stacked latents in
+    ``trajectory_latents``, its log-probabilities in ``trajectory_log_probs``
+    (when it has any), and its timesteps and the steps those log-probabilities
+    belong to in ``trajectory_steps`` (the tensors follow the same fence).
     """
 
     wave_id: int
@@ -112,7 +118,32 @@ class RunnerOutput:
     executed: list[str] = attrs.field(factory=list)
     created: list[str] = attrs.field(factory=list)
     released: list[str] = attrs.field(factory=list)
+    trajectory_latents: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    trajectory_log_probs: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    trajectory_steps: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = attrs.field(factory=dict)
     output_ready: OutputFence = READY
+
+    #: The fields that hold tensors (an executor that sends results elsewhere
+    #: carries them apart from the rest; see :meth:`tensor_fields`).
+    TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "images",
+        "previews",
+        "trajectory_latents",
+        "trajectory_log_probs",
+    )
+
+    def tensor_fields(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Each tensor field's tensors by request id."""
+        return {field: getattr(self, field) for field in self.TENSOR_FIELDS}
+
+    def without_tensors(self) -> RunnerOutput:
+        """This result with every tensor field emptied."""
+        return self.with_tensors({})
+
+    def with_tensors(self, fields: Mapping[str, dict[str, torch.Tensor]]) -> RunnerOutput:
+        """This result with the tensor fields in ``fields`` (the others left empty)."""
+        changes: dict[str, Any] = {f: dict(fields.get(f, {})) for f in self.TENSOR_FIELDS}
+        return attrs.evolve(self, **changes)
 
     def settled(self) -> RunnerOutput:
         """This result once its tensors are in host memory, with a fence that can cross

@@ -73,7 +73,7 @@ from diffusion_runtime.inbox import CoreInbox, Queued, QueuedAbort, QueuedReques
 from diffusion_runtime.lora.control import AdapterControl
 from diffusion_runtime.lora.weights import AdapterFileError
 from diffusion_runtime.lora_request import LoRARequest
-from diffusion_runtime.outputs import RequestMetrics, RequestOutput, images_digest
+from diffusion_runtime.outputs import RequestMetrics, RequestOutput, Trajectory, images_digest
 from diffusion_runtime.runner.profiling import checked_profile_prefix
 from diffusion_runtime.runner.sleep import checked_sleep_level
 from diffusion_runtime.sampling_params import SamplingParams
@@ -218,10 +218,20 @@ class EngineCore:
 
     def validate(self, prompt: Any, params: SamplingParams) -> None:
         """Raise :class:`~diffusion_runtime.errors.InvalidFieldError` for input the
-        pipeline cannot serve (on mp, a round trip to a worker), or for an
-        adapter that is not loaded and whose file cannot be read."""
+        pipeline cannot serve (on mp, a round trip to a worker), for an
+        adapter that is not loaded and whose file cannot be read, or for a
+        trajectory longer than ``max_trajectory_steps``."""
         if params.lora is not None:
             self._validate_lora(params.lora)
+        limit = self.config.max_trajectory_steps
+        if params.return_trajectory and params.num_inference_steps > limit:
+            rule = (
+                f"needs num_inference_steps at most EngineConfig.max_trajectory_steps ({limit}); "
+                f"got {params.num_inference_steps} steps"
+            )
+            raise InvalidFieldError(
+                "SamplingParams", "return_trajectory", rule, params.return_trajectory
+            )
         self.executor.validate_request(prompt, params)
 
     def _validate_lora(self, lora: LoRARequest) -> None:
@@ -466,7 +476,7 @@ class EngineCore:
     def _commit(self, output: SchedulerOutput, result: RunnerOutput) -> None:
         """Fire the transitions a wave's results decide and queue their outputs."""
         produced = [
-            self._final_output(ended, result.images.get(ended.request.request_id))
+            self._final_output(ended, result)
             for ended in self.scheduler.update_from_output(output, result)
         ]
         if self.config.streaming_output and result.progress:
@@ -516,9 +526,10 @@ class EngineCore:
             lambda item: item[1].request_id == request_id and not item[1].finished
         )
 
-    def _final_output(self, ended: Ended, images: torch.Tensor | None) -> _Outgoing:
+    def _final_output(self, ended: Ended, result: RunnerOutput | None) -> _Outgoing:
         request, event = ended
         completed = event.dest is RequestStatus.FINISHED_COMPLETED
+        products = _Products.of(request, result) if completed else _Products()
         scheduled, finished = request.scheduled_time, request.finished_time
         if finished is None:  # a scheduler whose terminal hook does not stamp it
             finished = self.clock()
@@ -526,7 +537,7 @@ class EngineCore:
             request_id=request.request_id,
             status=event.dest,
             finished=True,
-            image_batch=images if completed else None,
+            image_batch=products.images,
             seed=request.seed,
             error=None if completed else event.reason,
             metrics=RequestMetrics(
@@ -537,6 +548,8 @@ class EngineCore:
             ),
             step=request.step_index if request.num_steps is not None else None,
             num_steps=request.num_steps,
+            latents=products.latents,
+            trajectory=products.trajectory,
         )
         return request, output
 
@@ -871,6 +884,35 @@ class EngineCore:
                 time=time.monotonic(),
             )
         )
+
+
+@attrs.frozen
+class _Products:
+    """What a completed request's final output carries from its last result: images,
+    or latents when it asked for them, and its trajectory when it asked for one."""
+
+    images: torch.Tensor | None = None
+    latents: torch.Tensor | None = None
+    trajectory: Trajectory | None = None
+
+    @classmethod
+    def of(cls, request: Request, result: RunnerOutput | None) -> _Products:
+        if result is None:
+            return cls()
+        request_id = request.request_id
+        output = result.images.get(request_id)
+        trajectory = None
+        if request_id in result.trajectory_latents:
+            timesteps, log_prob_steps = result.trajectory_steps[request_id]
+            trajectory = Trajectory(
+                latents=result.trajectory_latents[request_id],
+                timesteps=timesteps,
+                log_probs=result.trajectory_log_probs.get(request_id),
+                log_prob_steps=log_prob_steps,
+            )
+        if request.params.decodes:
+            return cls(images=output, trajectory=trajectory)
+        return cls(latents=output, trajectory=trajectory)
 
 
 class _WaveInterrupted(Exception):

@@ -30,6 +30,31 @@ class RequestMetrics:
 
 
 @attrs.frozen(slots=True, repr=False)
+class Trajectory:
+    """The path a request's sampling took (``SamplingParams.return_trajectory``).
+
+    ``latents`` is ``(num_steps + 1, N, ...)``: the initial latents, then the
+    latents after each step, on the CPU. ``timesteps[i]`` is the timestep step
+    ``i`` started from. With ``return_trajectory="full"``, ``log_probs`` is
+    ``(len(log_prob_steps), N)``: the log-density (float, summed over each
+    image's elements) of the sample that step ``log_prob_steps[k]`` drew given
+    the latents before it. Steps that draw no noise (a deterministic sampler, or
+    DDIM's last step) have no density, so they are not in ``log_prob_steps``;
+    ``log_probs`` is ``None`` when no step drew any, or when not asked for.
+    """
+
+    latents: torch.Tensor
+    timesteps: tuple[int, ...]
+    log_probs: torch.Tensor | None = None
+    log_prob_steps: tuple[int, ...] = ()
+
+    def __repr__(self) -> str:
+        steps = len(self.timesteps)
+        drawn = "none" if self.log_probs is None else f"{len(self.log_prob_steps)} steps"
+        return f"Trajectory({steps} steps, latents {tuple(self.latents.shape)}, log-probs {drawn})"
+
+
+@attrs.frozen(slots=True, repr=False)
 class RequestOutput:
     """One output of one request.
 
@@ -38,8 +63,12 @@ class RequestOutput:
     ``None`` unless the request completed (or an intermediate output carries a
     preview); :attr:`images` splits it per image. ``error`` explains an aborted
     or failed request. In step mode, ``step`` of ``num_steps`` is the progress
-    when the output was made (a progress bar's numbers). Its ``repr`` is one
-    short line: the pixels are left out.
+    when the output was made (a progress bar's numbers). A request that asked
+    for ``output_type="latent"`` gets its final ``latents`` (``(N, ...)``, as
+    the pipeline's sampler leaves them) instead of images, and one that asked
+    for ``return_trajectory`` its :class:`Trajectory` (both on its final,
+    completed output; see ``docs/outputs.md``). Its ``repr`` is one short
+    line: the pixels are left out.
     """
 
     request_id: str
@@ -51,6 +80,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     step: int | None = None
     num_steps: int | None = None
+    latents: torch.Tensor | None = None
+    trajectory: Trajectory | None = None
 
     def __repr__(self) -> str:
         parts = [f"{self.request_id!r}", self.status.name]
@@ -61,6 +92,10 @@ class RequestOutput:
         if self.image_batch is not None:
             count, *shape = self.image_batch.shape
             parts.append(f"{count} image{'s' if count != 1 else ''} {tuple(shape)}")
+        if self.latents is not None:
+            parts.append(f"latents {tuple(self.latents.shape)}")
+        if self.trajectory is not None:
+            parts.append(f"trajectory of {len(self.trajectory.timesteps)} steps")
         parts.append(f"seed={self.seed}")
         if self.error is not None:
             parts.append(f"error={self.error!r}")

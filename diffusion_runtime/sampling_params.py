@@ -13,6 +13,7 @@ from diffusion_runtime.validation import (
     bounded_input,
     finite_in_range,
     int_in_range,
+    one_of,
     str_keyed_dict,
 )
 
@@ -35,6 +36,18 @@ def _is_lora(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None
         )
 
 
+#: What a request may ask to get back besides images (``docs/outputs.md``).
+OUTPUT_TYPES = ("pil", "pt", "latent")
+TRAJECTORIES = ("latents", "full")
+
+
+def _is_trajectory_kind(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not False and not (isinstance(value, str) and value in TRAJECTORIES):
+        raise InvalidFieldError(
+            type(instance).__name__, attribute.name, "must be False, 'latents' or 'full'", value
+        )
+
+
 def _is_extra_args(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     str_keyed_dict(instance, attribute, value)
     bounded_input(type(instance).__name__, attribute.name, value)
@@ -51,7 +64,11 @@ class SamplingParams:
     (``docs/schedulers.md``); they never change the images.
     ``height``/``width`` of ``None`` mean the pipeline's native size.
     ``lora`` names the low-rank adapter to run with (``None``: the base model;
-    ``docs/lora.md``). ``extra_args`` carries pipeline-specific options; like a prompt, it may
+    ``docs/lora.md``). ``output_type`` ``"latent"`` returns the final latents
+    instead of images (``"pil"`` and ``"pt"`` both return image tensors), and
+    ``return_trajectory`` asks for every step's latents (``"latents"``) and
+    also each sampled step's log-probability (``"full"``); see
+    ``docs/outputs.md``. ``extra_args`` carries pipeline-specific options; like a prompt, it may
     nest at most :data:`~diffusion_runtime.validation.MAX_INPUT_DEPTH` levels
     and hold at most :data:`~diffusion_runtime.validation.MAX_INPUT_BYTES`.
     """
@@ -70,6 +87,13 @@ class SamplingParams:
         default=None, validator=finite_in_range(MIN_DEADLINE_S, MAX_DEADLINE_S, optional=True)
     )
     lora: LoRARequest | None = attrs.field(default=None, validator=_is_lora)
+    output_type: str = attrs.field(default="pil", validator=one_of(*OUTPUT_TYPES))
+    return_trajectory: bool | str = attrs.field(default=False, validator=_is_trajectory_kind)
+
+    @property
+    def decodes(self) -> bool:
+        """Whether the request's result is decoded images (not latents)."""
+        return self.output_type != "latent"
 
     @property
     def adapter_id(self) -> int | None:
@@ -81,7 +105,8 @@ class SamplingParams:
 
         The adapter is part of it; a step batch mixes adapters, so
         :meth:`step_batch_key` leaves it out."""
-        return (self.num_inference_steps, self.adapter_id, *self.step_batch_key())
+        outputs = (self.output_type == "latent", self.return_trajectory)
+        return (self.num_inference_steps, self.adapter_id, outputs, *self.step_batch_key())
 
     def step_batch_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can share a denoising step, whatever their step counts."""

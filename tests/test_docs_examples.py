@@ -260,3 +260,9 @@ def test_the_operations_guide_sleep_example_restores_exactly(tmp_path: Path) -> 
     out = run_block(tmp_path, DOCS / "operations.md", "engine.sleep(level=2)")
     assert "asleep: [0] bytes of weights, was [5209344]" in out
     assert "bit-identical after wake: True" in out
+
+
+def test_the_outputs_guide_rl_example_prints_what_it_says(tmp_path: Path) -> None:
+    guide = DOCS / "outputs.md"
+    out = run_block(tmp_path, guide, 'return_trajectory="full"')
+    assert out == documented_text_block(guide, "It prints:")

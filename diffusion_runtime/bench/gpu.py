@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -145,7 +145,8 @@ def digits(sizes: GpuBenchSizes, device: torch.device) -> dict[str, Any]:
 
         def direct(requests: list[PipelineRequest] = requests) -> Any:
             with torch.inference_mode():
-                return {rid: image.cpu() for rid, image in pipeline.forward(requests).items()}
+                produced = pipeline.forward(requests).items()
+                return {rid: cast(torch.Tensor, image).cpu() for rid, image in produced}
 
         config = EngineConfig(pipeline="digits", device=str(device), max_num_seqs=batch)
         with DiffusionEngine.make_engine(config) as engine:

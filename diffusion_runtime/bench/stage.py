@@ -180,12 +180,11 @@ def image_costs(count: int) -> dict[str, Any]:
     bytes_decoder = msgspec.msgpack.Decoder(_ResultWithBytes)
 
     def two_frames_encode() -> list[Any]:
-        result, payload = output_to_frames(output)
-        return [encode(result), payload]
+        result, payloads = output_to_frames(output)
+        return [encode(result), *payloads]
 
     def bytes_encode() -> bytes:
-        result, payload = output_to_frames(output)
-        assert payload is not None
+        result, [payload] = output_to_frames(output)
         return msgspec.msgpack.encode(_ResultWithBytes(result, payload.tobytes()))
 
     def bytes_decode(data: bytes) -> torch.Tensor:

@@ -79,8 +79,7 @@ def image_trips(count: int) -> dict[str, Any]:
         image_batch=torch.rand(IMAGE_SHAPE),
         seed=0,
     )
-    result, payload = output_to_frames(output)
-    assert payload is not None
+    result, [payload] = output_to_frames(output)
     frames: list[Any] = [encode(result), payload]
     kinds = ("ipc", "tcp", "tcp_curve")
     # Each side has a context of its own, as the client and the stage do.

@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.trajectory import SampledOutput, TrajectoryRecorder
 
 Prompt = Any
 
@@ -75,11 +76,19 @@ class RequestPipeline(Protocol):
       drops their step state: finished, failed or aborted).
     - ``seed_free = True``: the outputs do not depend on the seed (the harness
       then skips its seed check).
+    - ``supports_output_options = True``: ``forward`` honours
+      ``SamplingParams.output_type`` and ``return_trajectory``, returning a
+      :class:`~diffusion_runtime.trajectory.SampledOutput` for a request that
+      uses them (:func:`forward_by_steps` does). Without it, request mode
+      refuses such requests at admission; step mode serves them for any
+      step pipeline.
     """
 
     supports_request_batch: bool
 
-    def forward(self, batch: Sequence[PipelineRequest]) -> Mapping[str, torch.Tensor]: ...
+    def forward(
+        self, batch: Sequence[PipelineRequest]
+    ) -> Mapping[str, torch.Tensor | SampledOutput]: ...
 
 
 @attrs.define(eq=False)
@@ -89,7 +98,10 @@ class StepRequestState:
     The pipeline creates it in ``prepare_encode`` and advances it in
     ``step_scheduler``. ``scheduler`` is the request's own noise-scheduler
     object (schedulers are stateful and never shared); ``conditioning`` holds
-    whatever the pipeline encoded once for this request.
+    whatever the pipeline encoded once for this request. A step that draws
+    noise sets ``step_log_prob`` to the log-density of what it drew (one value
+    per image) for trajectories with log-probabilities; ``recorder`` is the
+    runtime's, set when the request asked for a trajectory.
     """
 
     request: PipelineRequest
@@ -98,6 +110,8 @@ class StepRequestState:
     step_index: int = 0
     scheduler: Any = None
     conditioning: Any = None
+    step_log_prob: torch.Tensor | None = None
+    recorder: TrajectoryRecorder | None = None
 
     @property
     def request_id(self) -> str:
@@ -110,6 +124,30 @@ class StepRequestState:
     @property
     def is_done(self) -> bool:
         return self.step_index >= len(self.timesteps)
+
+    def begin_trajectory(self) -> None:
+        """Start recording, if the request asked for a trajectory (after ``prepare_encode``)."""
+        kind = self.request.params.return_trajectory
+        if kind:
+            self.recorder = TrajectoryRecorder(with_log_probs=kind == "full")
+            self.recorder.record(self.latents, -1, None)
+
+    def record_step(self) -> None:
+        """Record the step just taken (its latents and log-prob) when recording."""
+        if self.recorder is not None:
+            self.recorder.record(self.latents, self.step_index - 1, self.step_log_prob)
+        self.step_log_prob = None
+
+    def result(self, images: torch.Tensor | None) -> torch.Tensor | SampledOutput:
+        """What the finished request returns: its ``images`` (``None`` when it
+        asked for latents), or a :class:`SampledOutput` when it asked for more."""
+        output = self.latents if images is None else images
+        if self.recorder is None and images is not None:
+            return output
+        trajectory = None
+        if self.recorder is not None:
+            trajectory = self.recorder.finish(tuple(int(t) for t in self.timesteps))
+        return SampledOutput(output, trajectory)
 
 
 #: The methods step mode needs, checked when the engine starts.
@@ -157,7 +195,7 @@ class StepPipeline(RequestPipeline, Protocol):
 
 def forward_by_steps(
     pipeline: StepPipeline, batch: Sequence[PipelineRequest]
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor | SampledOutput]:
     """A request-mode ``forward`` made of the step-mode methods.
 
     Runs every request of ``batch`` to its last step (requests with fewer
@@ -168,9 +206,10 @@ def forward_by_steps(
     fails that request in step mode) raises, failing the forward.
     """
     states = [pipeline.prepare_encode(request) for request in batch]
+    for state in states:
+        state.begin_trajectory()
     step_batch = getattr(pipeline, "step_batch", None)
-    decode_batch = getattr(pipeline, "post_decode_batch", None)
-    images: dict[str, torch.Tensor] = {}
+    results: dict[str, torch.Tensor | SampledOutput] = {}
     active = states
     while active:
         if step_batch is not None:
@@ -182,11 +221,30 @@ def forward_by_steps(
         else:
             for state, model_output in zip(active, pipeline.denoise_step(active), strict=True):
                 pipeline.step_scheduler(state, model_output)
+        for state in active:
+            state.record_step()
         done = [state for state in active if state.is_done]
-        if decode_batch is not None and len(done) > 1:
-            decoded = decode_batch(done)
-        else:
-            decoded = [pipeline.post_decode(state) for state in done]
-        images.update(zip([state.request_id for state in done], decoded, strict=True))
+        for state, images in zip(done, decode_finished(pipeline, done), strict=True):
+            results[state.request_id] = state.result(images)
         active = [state for state in active if not state.is_done]
-    return {state.request_id: images[state.request_id] for state in states}
+    return {state.request_id: results[state.request_id] for state in states}
+
+
+def decode_finished(
+    pipeline: StepPipeline, states: Sequence[StepRequestState]
+) -> list[torch.Tensor | None]:
+    """The images of requests that finished together, in order (``None`` for one
+    that asked for latents): in one ``post_decode_batch`` call when the pipeline
+    has it and more than one needs decoding."""
+    decode = [state for state in states if state.request.params.decodes]
+    decode_batch = getattr(pipeline, "post_decode_batch", None)
+    if decode_batch is not None and len(decode) > 1:
+        decoded = list(decode_batch(decode))
+        if len(decoded) != len(decode):
+            raise RuntimeError(
+                f"post_decode_batch returned {len(decoded)} results for {len(decode)} states"
+            )
+    else:
+        decoded = [pipeline.post_decode(state) for state in decode]
+    images = dict(zip([id(state) for state in decode], decoded, strict=True))
+    return [images.get(id(state)) for state in states]

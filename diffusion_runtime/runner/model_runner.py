@@ -9,18 +9,26 @@ import attrs
 import torch
 
 from diffusion_runtime.contracts import READY, NewRequestData, RunnerOutput, SchedulerOutput
-from diffusion_runtime.errors import DeviceFault, PipelineContractError, describe_error
+from diffusion_runtime.errors import (
+    DeviceFault,
+    InvalidFieldError,
+    PipelineContractError,
+    describe_error,
+)
 from diffusion_runtime.pipelines.protocols import (
     STEP_METHODS,
     PipelineRequest,
     RequestPipeline,
     StepPipeline,
     StepRequestState,
+    decode_finished,
 )
 from diffusion_runtime.runner.faults import is_sticky_device_fault
 from diffusion_runtime.runner.host_copy import HostCopier
 from diffusion_runtime.runner.input_batch import InputBatch
 from diffusion_runtime.runner.state_offload import StateOffloader
+from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.trajectory import SampledOutput
 
 _Result = TypeVar("_Result")
 
@@ -100,6 +108,21 @@ class ModelRunner:
         fence = self.host_copier.fence()
         return result if fence is READY else attrs.evolve(result, output_ready=fence)
 
+    def check_output_options(self, params: SamplingParams) -> None:
+        """Refuse, by field, latents or a trajectory that this runner cannot return:
+        step mode records them for any pipeline; request mode needs a pipeline
+        whose ``forward`` honours them (``supports_output_options``)."""
+        if self.step_mode or getattr(self.pipeline, "supports_output_options", False):
+            return
+        name = type(self.pipeline).__name__
+        rule = f"needs step mode, or a pipeline that returns it in request mode ({name} does not)"
+        if not params.decodes:
+            raise InvalidFieldError("SamplingParams", "output_type", rule, params.output_type)
+        if params.return_trajectory:
+            raise InvalidFieldError(
+                "SamplingParams", "return_trajectory", rule, params.return_trajectory
+            )
+
     def release_requests(self, request_ids: Sequence[str]) -> None:
         """Drop the step state of finished requests (no-op for ids not held)."""
         self._release(request_ids)
@@ -172,7 +195,9 @@ class ModelRunner:
             self.input_batch.invalidate()
         for data in scheduler_output.scheduled_new_reqs:
             try:
-                self.states[data.request_id] = pipeline.prepare_encode(self._pipeline_request(data))
+                state = pipeline.prepare_encode(self._pipeline_request(data))
+                state.begin_trajectory()
+                self.states[data.request_id] = state
                 result.created.append(data.request_id)
                 self.input_batch.invalidate()
             except Exception as exc:
@@ -254,6 +279,7 @@ class ModelRunner:
                 f"{state.step_index} (of {state.num_steps})"
             )
             return
+        state.record_step()
         result.progress[request_id] = (state.step_index, state.num_steps)
         if state.is_done:
             finished.append(state)
@@ -270,19 +296,22 @@ class ModelRunner:
     def _decode(
         self, pipeline: StepPipeline, states: list[StepRequestState], result: RunnerOutput
     ) -> None:
-        """Decode finished requests: together when the pipeline has ``post_decode_batch``."""
+        """Decode finished requests (together when the pipeline has
+        ``post_decode_batch``; one by one when it has not, so one's error fails only it)."""
         if self._post_decode_batch is not None and len(states) > 1:
-            images = _one_result_each(
-                self._post_decode_batch, states, result, ("post_decode_batch", "results")
-            )
-            if images is None:
+            try:
+                decoded = decode_finished(pipeline, states)
+            except Exception as exc:
+                _reraise_if_sticky(exc)
+                _fail_all(result, [state.request_id for state in states], exc)
                 return
-            for state, image in zip(states, images, strict=True):
-                self._accept_images(state.request, image, result)
+            for state, images in zip(states, decoded, strict=True):
+                self._accept_images(state.request, state.result(images), result)
             return
         for state in states:
             try:
-                self._accept_images(state.request, pipeline.post_decode(state), result)
+                [images] = decode_finished(pipeline, [state])
+                self._accept_images(state.request, state.result(images), result)
             except Exception as exc:
                 _reraise_if_sticky(exc)
                 _fail_all(result, [state.request_id], exc)
@@ -293,14 +322,25 @@ class ModelRunner:
         return PipelineRequest(data.request_id, data.prompt, data.params, data.seed, self.device)
 
     def _accept_images(
-        self, request: PipelineRequest, images: object, result: RunnerOutput
+        self, request: PipelineRequest, produced: object, result: RunnerOutput
     ) -> None:
-        problem = _check_images(images, request)
-        if problem is None:
-            assert isinstance(images, torch.Tensor)
-            result.images[request.request_id] = self.host_copier.to_host(images)
-        else:
+        """Take a request's result (images, or a :class:`SampledOutput`) to host memory."""
+        sampled = produced if isinstance(produced, SampledOutput) else None
+        output = produced if sampled is None else sampled.output
+        problem = _check_output(output, request) or _check_sampled(sampled, request)
+        if problem is not None:
             result.errors[request.request_id] = problem
+            return
+        assert isinstance(output, torch.Tensor)
+        request_id = request.request_id
+        result.images[request_id] = self.host_copier.to_host(output)
+        trajectory = None if sampled is None else sampled.trajectory
+        if trajectory is not None:
+            result.trajectory_latents[request_id] = self.host_copier.to_host(trajectory.latents)
+            if trajectory.log_probs is not None:
+                log_probs = self.host_copier.to_host(trajectory.log_probs)
+                result.trajectory_log_probs[request_id] = log_probs
+            result.trajectory_steps[request_id] = (trajectory.timesteps, trajectory.log_prob_steps)
 
 
 def _reraise_if_sticky(exc: Exception) -> None:
@@ -339,12 +379,26 @@ def _one_result_each(
     return produced
 
 
-def _check_images(images: object, request: PipelineRequest) -> str | None:
-    if images is None:
+def _check_output(output: object, request: PipelineRequest) -> str | None:
+    """Why a request's images (or latents) are unusable, or None."""
+    if output is None:
         return "pipeline returned no output for this request"
-    if not isinstance(images, torch.Tensor) or images.dim() != 4:
-        return f"pipeline output must be a (N, C, H, W) tensor; got {type(images).__name__}"
+    decodes = request.params.decodes
+    if not isinstance(output, torch.Tensor) or (decodes and output.dim() != 4):
+        shape = "(N, C, H, W) tensor" if decodes else "tensor of latents, first dimension N"
+        return f"pipeline output must be a {shape}; got {type(output).__name__}"
     expected = request.params.num_outputs_per_prompt
-    if images.shape[0] != expected:
-        return f"pipeline returned {images.shape[0]} images; num_outputs_per_prompt is {expected}"
+    if output.dim() == 0 or output.shape[0] != expected:
+        count = 0 if output.dim() == 0 else output.shape[0]
+        return f"pipeline returned {count} images; num_outputs_per_prompt is {expected}"
+    return None
+
+
+def _check_sampled(sampled: SampledOutput | None, request: PipelineRequest) -> str | None:
+    """Why a pipeline's answer lacks what the request asked for besides images, or None."""
+    params = request.params
+    if not params.decodes and sampled is None:
+        return "the request asked for latents (output_type='latent'); the pipeline returned images"
+    if params.return_trajectory and (sampled is None or sampled.trajectory is None):
+        return "the request asked for a trajectory; the pipeline returned none"
     return None

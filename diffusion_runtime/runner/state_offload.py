@@ -7,7 +7,7 @@ device before the step that runs the state again. The values are copied
 exactly, so a resumed request's output is unchanged.
 
 What moves: every device tensor reachable from the state's ``latents``,
-``timesteps``, ``scheduler`` and ``conditioning`` through lists, tuples,
+``timesteps``, ``scheduler``, ``conditioning`` and trajectory ``recorder`` through lists, tuples,
 dicts, attrs instances and plain objects' attributes (a tensor reached twice
 is copied once, so aliases stay aliases). Modules (shared weights) and the
 request's generator stay where they are: a CUDA generator holds only a seed
@@ -40,7 +40,7 @@ _SCALAR_TYPES = (str, bytes, int, float, bool, type(None))
 _OPAQUE = (*_SCALAR_TYPES, torch.Generator)
 
 #: The fields of a state that hold its tensors (``request`` holds the generator).
-_TENSOR_FIELDS = ("latents", "timesteps", "scheduler", "conditioning")
+_TENSOR_FIELDS = ("latents", "timesteps", "scheduler", "conditioning", "recorder")
 
 
 @attrs.define

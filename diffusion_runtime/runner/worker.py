@@ -211,6 +211,7 @@ class Worker:
         return None if fn is None else fn()
 
     def validate_request(self, prompt: Any, params: SamplingParams) -> None:
+        self.runner.check_output_options(params)
         fn = getattr(self.pipeline, "validate_request", None)
         if fn is not None:
             fn(prompt, params)

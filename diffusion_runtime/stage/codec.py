@@ -13,7 +13,7 @@ import zmq
 from diffusion_runtime import errors
 from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.lora_request import LoRARequest
-from diffusion_runtime.outputs import RequestMetrics, RequestOutput
+from diffusion_runtime.outputs import RequestMetrics, RequestOutput, Trajectory
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.stage.endpoints import DEFAULT_MAX_REPLY_BYTES
 from diffusion_runtime.stage.errors import StageProtocolError
@@ -25,6 +25,7 @@ from diffusion_runtime.stage.messages import (
     Result,
     SamplingParamsMsg,
     TensorMeta,
+    TrajectoryMsg,
 )
 
 #: The tensor dtypes that may cross, by the name :class:`TensorMeta` uses.
@@ -110,24 +111,41 @@ def tensor_from_frame(meta: TensorMeta, frame: zmq.Frame) -> torch.Tensor:
 
 def output_to_frames(
     output: RequestOutput, max_image_bytes: int = DEFAULT_MAX_REPLY_BYTES
-) -> tuple[Result, memoryview | None]:
-    """The :class:`Result` message for ``output`` and its image frame, if it has images.
+) -> tuple[Result, list[memoryview]]:
+    """The :class:`Result` message for ``output`` and the frames of its tensors
+    (images, latents, trajectory), in the order :class:`Result` gives.
 
-    Images over ``max_image_bytes`` (the client's frame limit) cannot cross: a
-    preview goes without them, and a completed output becomes an error saying so.
+    Tensors over ``max_image_bytes`` in all (the client's frame limit) cannot
+    cross: a preview goes without them, and a completed output becomes an
+    error saying so.
     """
-    meta, payload = (None, None)
+    tensors = _output_tensors(output)
     status, error = output.status, output.error
-    if output.image_batch is not None:
-        meta, payload = tensor_to_frame(output.image_batch)
-        if payload.nbytes > max_image_bytes:
-            meta, payload = (None, None)
-            if status is RequestStatus.FINISHED_COMPLETED:
-                status = RequestStatus.FINISHED_ERROR
-                error = (
-                    f"the output's images ({output.image_batch.nbytes} bytes) are over the "
-                    f"client's max_reply_bytes ({max_image_bytes})"
-                )
+    total = sum(tensor.nbytes for tensor in tensors.values() if tensor is not None)
+    if total > max_image_bytes:
+        tensors = dict.fromkeys(tensors)
+        if status is RequestStatus.FINISHED_COMPLETED:
+            status = RequestStatus.FINISHED_ERROR
+            error = (
+                f"the output's tensors ({total} bytes) are over the "
+                f"client's max_reply_bytes ({max_image_bytes})"
+            )
+    metas: dict[str, TensorMeta | None] = {}
+    payloads: list[memoryview] = []
+    for name, tensor in tensors.items():
+        metas[name] = None
+        if tensor is not None:
+            metas[name], payload = tensor_to_frame(tensor)
+            payloads.append(payload)
+    trajectory = output.trajectory
+    trajectory_msg = None
+    if trajectory is not None and metas["trajectory_latents"] is not None:
+        trajectory_msg = TrajectoryMsg(
+            latents=metas["trajectory_latents"],
+            log_probs=metas["trajectory_log_probs"],
+            timesteps=list(trajectory.timesteps),
+            log_prob_steps=list(trajectory.log_prob_steps),
+        )
     metrics = None if output.metrics is None else MetricsMsg(**attrs.asdict(output.metrics))
     result = Result(
         request_id=output.request_id,
@@ -138,19 +156,42 @@ def output_to_frames(
         metrics=metrics,
         step=output.step,
         num_steps=output.num_steps,
-        image=meta,
+        image=metas["image"],
+        latents=metas["latents"],
+        trajectory=trajectory_msg,
     )
-    return result, payload
+    return result, payloads
+
+
+def _output_tensors(output: RequestOutput) -> dict[str, torch.Tensor | None]:
+    """The tensors an output carries, by name, in frame order."""
+    trajectory = output.trajectory
+    return {
+        "image": output.image_batch,
+        "latents": output.latents,
+        "trajectory_latents": None if trajectory is None else trajectory.latents,
+        "trajectory_log_probs": None if trajectory is None else trajectory.log_probs,
+    }
 
 
 def output_from_frames(result: Result, extra: Sequence[zmq.Frame]) -> RequestOutput:
     """Rebuild the output of ``result``; ``extra`` are the frames after its header."""
-    if len(extra) != (result.image is not None):
+    trajectory = result.trajectory
+    metas = [
+        result.image,
+        result.latents,
+        None if trajectory is None else trajectory.latents,
+        None if trajectory is None else trajectory.log_probs,
+    ]
+    if len(extra) != sum(meta is not None for meta in metas):
+        described = sum(meta is not None for meta in metas)
         raise StageProtocolError(
-            f"a Result {'with' if result.image else 'without'} an image came with "
-            f"{len(extra)} extra frames"
+            f"a Result that describes {described} tensors came with {len(extra)} extra frames"
         )
-    images = None if result.image is None else tensor_from_frame(result.image, extra[0])
+    frames = iter(extra)
+    images, latents, trajectory_latents, log_probs = (
+        None if meta is None else tensor_from_frame(meta, next(frames)) for meta in metas
+    )
     metrics = (
         None if result.metrics is None else RequestMetrics(**msgspec.structs.asdict(result.metrics))
     )
@@ -164,6 +205,15 @@ def output_from_frames(result: Result, extra: Sequence[zmq.Frame]) -> RequestOut
         metrics=metrics,
         step=result.step,
         num_steps=result.num_steps,
+        latents=latents,
+        trajectory=None
+        if trajectory is None or trajectory_latents is None
+        else Trajectory(
+            latents=trajectory_latents,
+            timesteps=tuple(trajectory.timesteps),
+            log_probs=log_probs,
+            log_prob_steps=tuple(trajectory.log_prob_steps),
+        ),
     )
 
 

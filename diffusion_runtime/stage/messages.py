@@ -63,6 +63,8 @@ class SamplingParamsMsg(_Part, frozen=True):
     priority: int = 0
     deadline_s: float | None = None
     lora: LoRARequestMsg | None = None
+    output_type: str = "pil"
+    return_trajectory: bool | str = False
 
 
 class MetricsMsg(_Part, frozen=True):
@@ -76,6 +78,16 @@ class TensorMeta(_Part, frozen=True):
 
     dtype: str
     shape: list[int]
+
+
+class TrajectoryMsg(_Part, frozen=True):
+    """A :class:`~diffusion_runtime.outputs.Trajectory`: its tensors' layouts (their
+    frames follow the image's, latents first) and its step numbers."""
+
+    latents: TensorMeta
+    log_probs: TensorMeta | None
+    timesteps: list[int]
+    log_prob_steps: list[int]
 
 
 class FieldErrorMsg(_Part, frozen=True):
@@ -206,7 +218,9 @@ class Admitted(_Message, frozen=True):
 
 
 class Result(_Message, frozen=True):
-    """One :class:`~diffusion_runtime.RequestOutput`; ``image`` describes the next frame."""
+    """One :class:`~diffusion_runtime.RequestOutput`. Each tensor it describes comes in
+    a frame of its own after the header, in this order: ``image``, ``latents``,
+    the trajectory's latents, the trajectory's log-probabilities (those present)."""
 
     request_id: str
     status: RequestStatus
@@ -217,6 +231,8 @@ class Result(_Message, frozen=True):
     step: int | None
     num_steps: int | None
     image: TensorMeta | None
+    latents: TensorMeta | None = None
+    trajectory: TrajectoryMsg | None = None
 
 
 class Error(_Message, frozen=True):

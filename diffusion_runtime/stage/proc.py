@@ -24,7 +24,7 @@ import signal
 import socket
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -261,15 +261,13 @@ class StageProc:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signalled = signum  # the loop acts on it once the current step ends
 
-    def _send(self, message: FromStage, payload: memoryview | None = None) -> None:
-        frames: list[bytes | memoryview] = [encode(message)]
-        if payload is not None:
-            frames.append(payload)
+    def _send(self, message: FromStage, payloads: Sequence[memoryview] = ()) -> None:
+        frames: list[bytes | memoryview] = [encode(message), *payloads]
         self._replies.send_multipart(frames, copy=False)
 
     def _send_output(self, output: RequestOutput) -> None:
-        result, payload = output_to_frames(output, self._spec.max_reply_bytes)
-        self._send(result, payload)
+        result, payloads = output_to_frames(output, self._spec.max_reply_bytes)
+        self._send(result, payloads)
 
     # -- messages from the client ----------------------------------------------------------
 

@@ -21,6 +21,7 @@ from diffusion_runtime.pipelines.protocols import (
     forward_by_steps,
 )
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.trajectory import SampledOutput
 from diffusion_runtime.validation import fail
 
 MAX_SIZE = 256
@@ -36,6 +37,7 @@ class SeededNoisePipeline:
     """
 
     supports_request_batch = True
+    supports_output_options = True
 
     def __init__(
         self,
@@ -60,7 +62,9 @@ class SeededNoisePipeline:
     def warmup_request(self) -> tuple[Any, SamplingParams]:
         return "warm-up", SamplingParams(num_inference_steps=1, seed=0)
 
-    def forward(self, batch: Sequence[PipelineRequest]) -> Mapping[str, torch.Tensor]:
+    def forward(
+        self, batch: Sequence[PipelineRequest]
+    ) -> Mapping[str, torch.Tensor | SampledOutput]:
         return forward_by_steps(self, batch)
 
     # -- step mode ----------------------------------------------------------------------
@@ -136,7 +140,9 @@ class FaultInjectingPipeline(SeededNoisePipeline):
             self.step_batch = self._step_batch
             self.post_decode_batch = self._post_decode_batch
 
-    def forward(self, batch: Sequence[PipelineRequest]) -> Mapping[str, torch.Tensor]:
+    def forward(
+        self, batch: Sequence[PipelineRequest]
+    ) -> Mapping[str, torch.Tensor | SampledOutput]:
         self.forward_batches.append([request.request_id for request in batch])
         self._inject([request.prompt for request in batch])
         results = dict(super().forward(batch))

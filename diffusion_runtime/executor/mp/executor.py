@@ -14,8 +14,6 @@ from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-import attrs
-
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import EngineDeadError, RPCError
@@ -132,9 +130,7 @@ class MultiprocExecutor(DiffusionExecutor):
         finally:
             if ready.segment is not None:
                 self._release_segment(ready.segment)
-        return attrs.evolve(
-            ready.output, images=tensors.get("images", {}), previews=tensors.get("previews", {})
-        )
+        return ready.output.with_tensors(tensors)
 
     def collective_rpc(
         self,

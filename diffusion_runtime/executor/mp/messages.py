@@ -117,10 +117,6 @@ class ComputeDone:
     call_id: int
 
 
-#: The tensor fields of a RunnerOutput that cross through shared memory.
-OUTPUT_TENSOR_FIELDS = ("images", "previews")
-
-
 @attrs.frozen
 class ImageSlot:
     """Where one request's tensor of one output field lies in an output segment."""
@@ -137,9 +133,9 @@ class ImageSlot:
 class OutputReady:
     """Rank 0 packed the images of wave ``call_id``.
 
-    ``output`` is the runner output with its :data:`OUTPUT_TENSOR_FIELDS`
-    emptied; their tensors are at ``slots`` in shared-memory ``segment``, or,
-    when ``segment`` is None (small outputs), in ``inline``.
+    ``output`` is the runner output with its tensor fields emptied
+    (``RunnerOutput.TENSOR_FIELDS``); their tensors are at ``slots`` in
+    shared-memory ``segment``, or, when ``segment`` is None (small outputs), in ``inline``.
     ``retired`` names segments rank 0 has unlinked since its last report, so
     the executor can drop its mappings of them.
     """

@@ -31,13 +31,11 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import NoReturn
 
-import attrs
 import torch
 
 from diffusion_runtime.contracts import RunnerOutput
 from diffusion_runtime.errors import InvalidFieldError, RPCError, describe_error
 from diffusion_runtime.executor.mp.messages import (
-    OUTPUT_TENSOR_FIELDS,
     Call,
     ComputeDone,
     Execute,
@@ -193,7 +191,7 @@ class OutputPacker:
         try:
             output = output.settled()
             tensors = _tensors(output)
-            stripped = attrs.evolve(output, images={}, previews={})
+            stripped = output.without_tensors()
             if shared:
                 segment, slots, retired = self._arena.pack(tensors)
                 ready = OutputReady(call_id, stripped, segment, b"", slots, retired)
@@ -214,8 +212,8 @@ def _usable_cores() -> int:
 def _tensors(output: RunnerOutput) -> list[tuple[str, str, torch.Tensor]]:
     return [
         (field, request_id, tensor)
-        for field in OUTPUT_TENSOR_FIELDS
-        for request_id, tensor in getattr(output, field).items()
+        for field, tensors in output.tensor_fields().items()
+        for request_id, tensor in tensors.items()
     ]
 
 

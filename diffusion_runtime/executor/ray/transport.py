@@ -15,8 +15,6 @@ import torch
 
 from diffusion_runtime.contracts import RunnerOutput
 
-TENSOR_FIELDS = ("images", "previews")
-
 # A tensor NumPy cannot hold (bfloat16) travels pickled, as a tensor.
 Payload = np.ndarray | torch.Tensor
 
@@ -31,18 +29,19 @@ class WaveReply:
     @classmethod
     def pack(cls, output: RunnerOutput) -> WaveReply:
         tensors = {
-            field: {rid: _to_payload(t) for rid, t in getattr(output, field).items()}
-            for field in TENSOR_FIELDS
+            field: {rid: _to_payload(t) for rid, t in by_id.items()}
+            for field, by_id in output.tensor_fields().items()
         }
-        return cls(attrs.evolve(output, images={}, previews={}), tensors)
+        return cls(output.without_tensors(), tensors)
 
     def unpack(self) -> RunnerOutput:
         """The runner output, each tensor a private copy."""
-        fields = {
-            field: {rid: _to_tensor(payload) for rid, payload in self.tensors[field].items()}
-            for field in TENSOR_FIELDS
-        }
-        return attrs.evolve(self.output, images=fields["images"], previews=fields["previews"])
+        return self.output.with_tensors(
+            {
+                field: {rid: _to_tensor(payload) for rid, payload in by_id.items()}
+                for field, by_id in self.tensors.items()
+            }
+        )
 
 
 def _to_payload(tensor: torch.Tensor) -> Payload:

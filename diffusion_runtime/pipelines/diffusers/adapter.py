@@ -21,6 +21,7 @@ from diffusion_runtime.pipelines.protocols import (
     forward_by_steps,
 )
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.trajectory import SampledOutput
 
 _OWNER = "DiffusersPipeline"
 
@@ -56,6 +57,7 @@ class DiffusersPipeline:
     """
 
     supports_request_batch = True
+    supports_output_options = True
 
     def __init__(
         self,
@@ -98,6 +100,9 @@ class DiffusersPipeline:
     def validate_request(self, prompt: Prompt, params: SamplingParams) -> None:
         """Reject, naming the field, what the wrapped pipeline cannot serve."""
         self.family.validate(prompt, params)
+        if params.return_trajectory == "full":
+            rule = "'full' needs log-probabilities, which diffusers schedulers do not give yet"
+            raise InvalidFieldError(_OWNER, "return_trajectory", rule, params.return_trajectory)
 
     def warmup_request(self) -> tuple[Prompt, SamplingParams]:
         """A request of the fewest steps the scheduler runs, through the whole path."""
@@ -106,7 +111,7 @@ class DiffusersPipeline:
         return family.warmup_prompt(), params
 
     @torch.no_grad()
-    def forward(self, batch: Sequence[PipelineRequest]) -> dict[str, torch.Tensor]:
+    def forward(self, batch: Sequence[PipelineRequest]) -> dict[str, torch.Tensor | SampledOutput]:
         """Sample every request of ``batch`` together; images keyed by request id."""
         return forward_by_steps(self, batch)
 

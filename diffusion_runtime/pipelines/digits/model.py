@@ -182,21 +182,64 @@ def ddim_timesteps(num_inference_steps: int, num_train_timesteps: int) -> list[i
 
 @attrs.define(eq=False)
 class DDIMScheduler:
-    """Deterministic DDIM (eta = 0) for one request; keeps the latest clean-image estimate."""
+    """DDIM for one request; keeps the latest clean-image estimate.
+
+    With ``eta`` 0 (the default) every step is deterministic. With ``eta`` > 0
+    each step but the last adds noise of standard deviation
+    :meth:`sigma` (``eta`` 1 is DDPM's posterior), drawn by the caller, and
+    records its Gaussian log-density in ``log_prob``.
+    """
 
     alpha_bars: Sequence[float]
     timesteps: Sequence[int]
+    eta: float = 0.0
     x0: torch.Tensor | None = None
+    #: The log-density of the last step's sample, one value per row (``None``
+    #: for a step that drew no noise).
+    log_prob: torch.Tensor | None = None
 
-    def step(self, x: torch.Tensor, eps: torch.Tensor, index: int) -> torch.Tensor:
-        """Move ``x`` from ``timesteps[index]`` to the next timestep (or to the clean image)."""
+    def draws_noise(self, index: int) -> bool:
+        """Whether step ``index`` adds noise (and so needs ``noise`` in :meth:`step`)."""
+        return self.eta > 0 and index + 1 < len(self.timesteps)
+
+    def sigma(self, index: int) -> float:
+        """The standard deviation of the noise step ``index`` adds."""
+        ab = self.alpha_bars[self.timesteps[index]]
+        ab_next = self.alpha_bars[self.timesteps[index + 1]]
+        return self.eta * math.sqrt((1 - ab_next) / (1 - ab) * (1 - ab / ab_next))
+
+    def step(
+        self, x: torch.Tensor, eps: torch.Tensor, index: int, noise: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Move ``x`` from ``timesteps[index]`` to the next timestep (or to the clean
+        image); ``noise`` (standard normal, shaped like ``x``) when :meth:`draws_noise`."""
         ab = self.alpha_bars[self.timesteps[index]]
         x0 = torch.sub(x, eps, alpha=math.sqrt(1 - ab)).div_(math.sqrt(ab)).clamp_(-1.0, 1.0)
         self.x0 = x0
+        self.log_prob = None
         if index + 1 == len(self.timesteps):
             return x0
-        # sqrt(ab_next) * x0 + sqrt(1 - ab_next) * noise, where the noise is the one
-        # implied by x and the clipped x0, (x - sqrt(ab) * x0) / sqrt(1 - ab).
         ab_next = self.alpha_bars[self.timesteps[index + 1]]
-        ratio = math.sqrt((1 - ab_next) / (1 - ab))
-        return torch.add(x.mul(ratio), x0, alpha=math.sqrt(ab_next) - ratio * math.sqrt(ab))
+        if not self.draws_noise(index):
+            # sqrt(ab_next) * x0 + sqrt(1 - ab_next) * noise, where the noise is the one
+            # implied by x and the clipped x0, (x - sqrt(ab) * x0) / sqrt(1 - ab).
+            ratio = math.sqrt((1 - ab_next) / (1 - ab))
+            return torch.add(x.mul(ratio), x0, alpha=math.sqrt(ab_next) - ratio * math.sqrt(ab))
+        if noise is None:
+            raise ValueError(f"DDIM step {index} with eta {self.eta} needs noise")
+        sigma = self.sigma(index)
+        implied = torch.sub(x, x0, alpha=math.sqrt(ab)).div_(math.sqrt(1 - ab))
+        mean = torch.add(
+            x0.mul(math.sqrt(ab_next)), implied, alpha=math.sqrt(1 - ab_next - sigma**2)
+        )
+        sample = torch.add(mean, noise, alpha=sigma)
+        self.log_prob = gaussian_log_density(sample, mean, sigma)
+        return sample
+
+
+def gaussian_log_density(sample: torch.Tensor, mean: torch.Tensor, sigma: float) -> torch.Tensor:
+    """The log-density of ``sample`` under N(``mean``, ``sigma``² I), summed over each
+    row's elements (one value per row), in float64."""
+    diff = (sample.double() - mean.double()).flatten(1)
+    per_element = diff.square() / (-2 * sigma**2) - math.log(sigma) - 0.5 * math.log(2 * math.pi)
+    return per_element.sum(dim=1)

@@ -33,6 +33,7 @@ from diffusion_runtime.pipelines.protocols import (
     forward_by_steps,
 )
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.trajectory import SampledOutput
 
 WEIGHTS_DIR = Path(__file__).parent
 DENOISER_WEIGHTS = "denoiser.safetensors"
@@ -75,13 +76,15 @@ class DigitsPipeline:
     """Class-conditional diffusion model of 8x8 digits (a residual MLP, ~1.3M parameters).
 
     Prompts are digits (``3`` or ``"3"``). Honours ``num_inference_steps``
-    (DDIM, eta = 0), ``guidance_scale`` (classifier-free guidance when > 1),
+    (DDIM; ``extra_args={"eta": e}`` with ``e`` in [0, 1] makes its steps
+    stochastic, default 0), ``guidance_scale`` (classifier-free guidance when > 1),
     ``num_outputs_per_prompt`` and square ``height``/``width`` (nearest-neighbour
     upscaling). All randomness comes from each request's generator, and every
     request's images are bit-identical whatever it is batched with.
     """
 
     supports_request_batch = True
+    supports_output_options = True
 
     def __init__(
         self, device: torch.device | str = "cpu", weights_dir: str | Path | None = None
@@ -155,12 +158,13 @@ class DigitsPipeline:
             rule = f"must be at most {MAX_GUIDANCE}"
             raise InvalidFieldError(_OWNER, "guidance_scale", rule, params.guidance_scale)
         output_size(params)
+        eta_of(params)
 
     def warmup_request(self) -> tuple[Prompt, SamplingParams]:
         """A cheap request that exercises the whole sampling path."""
         return "0", SamplingParams(num_inference_steps=2, seed=0)
 
-    def forward(self, batch: Sequence[PipelineRequest]) -> dict[str, torch.Tensor]:
+    def forward(self, batch: Sequence[PipelineRequest]) -> dict[str, torch.Tensor | SampledOutput]:
         """Sample every request of ``batch`` as one fused batch; images keyed by request id."""
         return forward_by_steps(self, batch)
 
@@ -177,7 +181,7 @@ class DigitsPipeline:
             request=request,
             latents=noise.to(self.device),
             timesteps=timesteps,
-            scheduler=DDIMScheduler(self._alpha_bars, timesteps),
+            scheduler=DDIMScheduler(self._alpha_bars, timesteps, eta_of(params)),
             conditioning=labels,
         )
 
@@ -211,7 +215,10 @@ class DigitsPipeline:
 
     def step_scheduler(self, state: StepRequestState, model_output: torch.Tensor) -> None:
         """Advance one request by one DDIM step."""
-        state.latents = state.scheduler.step(state.latents, model_output, state.step_index)
+        scheduler: DDIMScheduler = state.scheduler
+        noise = _step_noise(state) if scheduler.draws_noise(state.step_index) else None
+        state.latents = scheduler.step(state.latents, model_output, state.step_index, noise)
+        state.step_log_prob = scheduler.log_prob
         state.step_index += 1
 
     def step_batch(self, states: Sequence[StepRequestState]) -> None:
@@ -245,7 +252,10 @@ class DigitsPipeline:
                 cond, uncond = part.chunk(2)
                 part = torch.lerp(uncond, cond, group.lead.request.params.guidance_scale)
             lead = group.lead
-            group.advance(lead.scheduler.step(group.latents, part, lead.step_index))
+            noise = None
+            if lead.scheduler.draws_noise(lead.step_index):  # each request's own draws
+                noise = _cat([_step_noise(state) for state in group.states])
+            group.advance(lead.scheduler.step(group.latents, part, lead.step_index, noise))
 
     def _group_adapters(self, groups: list[_StepGroup]) -> AdapterPlan | None:
         """Row adapters for :meth:`step_batch`: a guided group stacks all its
@@ -285,6 +295,21 @@ class DigitsPipeline:
         return images
 
 
+def eta_of(params: SamplingParams) -> float:
+    """The DDIM ``eta`` a request asks for in ``extra_args`` (default 0), checked."""
+    eta = params.extra_args.get("eta", 0.0)
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0.0 <= eta <= 1.0:
+        raise InvalidFieldError(_OWNER, "extra_args['eta']", "must be a number in [0, 1]", eta)
+    return float(eta)
+
+
+def _step_noise(state: StepRequestState) -> torch.Tensor:
+    """A stochastic step's noise for one request, from its own generator."""
+    generator = state.request.generator
+    noise = torch.randn(state.latents.shape, generator=generator, device=generator.device)
+    return noise.to(state.latents.device)
+
+
 def _guided(state: StepRequestState) -> bool:
     return state.request.params.guidance_scale > 1.0
 
@@ -309,25 +334,35 @@ class _StepGroup:
     def advance(self, latents: torch.Tensor) -> None:
         """Record a step: the lead scheduler's result goes to every member."""
         self.latents = latents
-        x0 = self.lead.scheduler.x0
+        lead = self.lead.scheduler
         if len(self.states) == 1:
             self.lead.latents = latents
+            self.lead.step_log_prob = lead.log_prob
             self.lead.step_index += 1
             return
         sizes = [len(state.latents) for state in self.states]
-        for state, part, x0_part in zip(
-            self.states, torch.split(latents, sizes), torch.split(x0, sizes), strict=True
+        log_probs: Sequence[torch.Tensor | None] = (
+            [None] * len(sizes) if lead.log_prob is None else torch.split(lead.log_prob, sizes)
+        )
+        for state, part, x0_part, log_prob in zip(
+            self.states,
+            torch.split(latents, sizes),
+            torch.split(lead.x0, sizes),
+            log_probs,
+            strict=True,
         ):
             state.latents = part
             state.scheduler.x0 = x0_part
+            state.step_log_prob = log_prob
             state.step_index += 1
 
 
 def _plan_groups(states: Sequence[StepRequestState], null_class: int) -> list[_StepGroup]:
-    members: dict[tuple[int, int, float], list[StepRequestState]] = {}
+    members: dict[tuple[int, int, float, float], list[StepRequestState]] = {}
     for state in states:
         params = state.request.params
-        key = (params.num_inference_steps, state.step_index, params.guidance_scale)
+        eta = state.scheduler.eta
+        key = (params.num_inference_steps, state.step_index, params.guidance_scale, eta)
         members.setdefault(key, []).append(state)
     groups = []
     for group in members.values():
