@@ -122,6 +122,17 @@ def test_an_evicted_adapter_is_still_served_and_evictions_are_counted(
     assert served.metric("diffusion_lora_requests_total", adapter_id="1") == 1
 
 
+def test_a_load_with_no_room_is_a_conflict(served: Served, files: list[Path]) -> None:
+    for name, path in zip(("a", "b"), files, strict=False):
+        assert served.http.post(LOAD, json={"lora_name": name, "lora_path": str(path)}).is_success
+    assert served.engine.pin_lora(1) and served.engine.pin_lora(2)  # nothing may be evicted
+    answer = served.http.post(LOAD, json={"lora_name": "c", "lora_path": str(files[2])})
+    assert answer.status_code == 409, answer.text
+    assert answer.json()["error"]["code"] == "conflict"
+    assert "pinned or used" in answer.json()["error"]["message"]
+    assert served.http.get("/v1/models/c").status_code == 404
+
+
 @pytest.mark.parametrize(
     ("route", "body", "status", "param"),
     [

@@ -52,6 +52,7 @@ class ServedAdapters:
         self.base_model = base_model
         self._by_name: dict[str, LoRARequest] = {}
         self._created: dict[str, int] = {}
+        self._last_id = 0
         self._lock = threading.Lock()
 
     def lora_for(self, model: str | None) -> LoRARequest | None:
@@ -87,8 +88,9 @@ class ServedAdapters:
         with self._lock:
             if name == self.base_model or name in self._by_name:
                 raise bad_field("lora_name", f"lora_name: the model {name!r} is already served")
-            taken = {lora.adapter_id for lora in self._by_name.values()}
-            adapter_id = max([0, *taken, *self.engine.list_loras()]) + 1
+            # Never an id used before: a request still queued with an unloaded
+            # adapter must not meet another file under its id.
+            adapter_id = max([self._last_id, *self.engine.list_loras()]) + 1
             try:
                 lora = LoRARequest(name, adapter_id, path)
                 self.engine.add_lora(lora)
@@ -97,6 +99,7 @@ class ServedAdapters:
                 raise bad_field(field, f"{field}: {exc}") from None
             self._by_name[name] = lora
             self._created[name] = created
+            self._last_id = adapter_id
 
     def unload(self, name: str) -> None:
         """Unload model ``name`` from every worker and stop serving it (blocking)."""
