@@ -7,7 +7,7 @@ first kind; the harness's adapter checks and INV-013..015 the rest.
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 from diffusion_runtime.lora.control import AdapterControl
@@ -21,8 +21,12 @@ from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.testing.mutation import Mutation, Patch
 from diffusion_runtime.testing.patching import replace_attribute as _replace
 
+#: A bug in how a step's rows get their adapters: each row's slots and scales in,
+#: the slots and scales the bug gives them out.
+RowRewrite = Callable[[list[int], list[float]], tuple[list[int], list[float]]]
 
-def batch_mate_adapter_applied() -> Patch:
+
+def _rows_rewritten(rewrite: RowRewrite) -> Patch:
     def make(original: Any) -> Any:
         def row_adapters(
             self: DigitsPipeline, states: list[StepRequestState], copies: list[int]
@@ -31,31 +35,29 @@ def batch_mate_adapter_applied() -> Patch:
             if plan is None:
                 return None
             slots, row_slots, row_scales = plan
-            adapted = [i for i, slot in enumerate(row_slots) if slot]
-            if not adapted:
-                return plan
-            first = adapted[0]  # "a step batch runs one adapter"
-            return slots, [row_slots[first]] * len(row_slots), [row_scales[first]] * len(row_slots)
+            return (slots, *rewrite(row_slots, row_scales))
 
         return row_adapters
 
     return _replace(DigitsPipeline, "_row_adapters", make)
+
+
+def batch_mate_adapter_applied() -> Patch:
+    def first_adapted_row(slots: list[int], scales: list[float]) -> tuple[list[int], list[float]]:
+        adapted = [i for i, slot in enumerate(slots) if slot]
+        if not adapted:
+            return slots, scales
+        first = adapted[0]  # "a step batch runs one adapter"
+        return [slots[first]] * len(slots), [scales[first]] * len(slots)
+
+    return _rows_rewritten(first_adapted_row)
 
 
 def adapter_scale_ignored() -> Patch:
-    def make(original: Any) -> Any:
-        def row_adapters(
-            self: DigitsPipeline, states: list[StepRequestState], copies: list[int]
-        ) -> AdapterPlan | None:
-            plan: AdapterPlan | None = original(self, states, copies)
-            if plan is None:
-                return None
-            slots, row_slots, _ = plan  # "the scale is folded into the weights already"
-            return slots, row_slots, [1.0 if slot else 0.0 for slot in row_slots]
+    def unit_scales(slots: list[int], scales: list[float]) -> tuple[list[int], list[float]]:
+        return slots, [1.0 if slot else 0.0 for slot in slots]  # "folded into the weights"
 
-        return row_adapters
-
-    return _replace(DigitsPipeline, "_row_adapters", make)
+    return _rows_rewritten(unit_scales)
 
 
 def needed_slot_overwritten() -> Patch:
