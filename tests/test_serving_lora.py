@@ -4,14 +4,17 @@ and unload routes (plain HTTP, off by default), and metrics per adapter."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
 from lora_adapters import write_adapter
-from test_serving import GENERATIONS, Served, decode_png, serving
+from test_serving import GENERATIONS, Served, decode_png, serving, wait_until
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, LoRARequest, SamplingParams
 from diffusion_runtime.core import EngineCore
@@ -78,6 +81,27 @@ def test_the_routes_are_off_unless_asked_for(files: list[Path]) -> None:
         pytest.raises(ValueError, match="max_loras"),
     ):
         build_app(engine, ServerConfig(lora_updates=True))
+
+
+def test_the_serve_flag_turns_adapters_and_the_routes_on(tmp_path: Path, files: list[Path]) -> None:
+    log_path = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "diffusion_runtime.cli", "serve", "--port", "0"]
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [*command, "--enable-lora-updates"], stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            url_line = re.compile(r"serving model 'digits' at (http://127\.0\.0\.1:\d+)")
+            wait_until(lambda: url_line.search(log_path.read_text()) is not None, 120)
+            match = url_line.search(log_path.read_text())
+            assert match is not None
+            body = {"lora_name": "bold", "lora_path": str(files[0])}
+            answer = httpx.post(f"{match.group(1)}{LOAD}", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+        finally:
+            process.terminate()
+            code = process.wait(60)
+    assert code == 0, log_path.read_text()
 
 
 def test_a_loaded_adapter_is_a_model_that_runs_with_it(served: Served, files: list[Path]) -> None:
