@@ -50,8 +50,10 @@ class ServedAdapters:
     def __init__(self, engine: DiffusionEngine, base_model: str) -> None:
         self.engine = engine
         self.base_model = base_model
-        self._by_name: dict[str, LoRARequest] = {}
-        self._created: dict[str, int] = {}
+        #: Served adapters by model name, with the time each was loaded. Loads and
+        #: unloads (on worker threads, under the lock) replace entries whole, so the
+        #: event loop reads it without the lock.
+        self._served: dict[str, tuple[LoRARequest, int]] = {}
         self._last_id = 0
         self._lock = threading.Lock()
 
@@ -60,33 +62,37 @@ class ServedAdapters:
         model); a 404 for a model this server does not serve."""
         if model is None or model == self.base_model:
             return None
-        lora = self._by_name.get(model)
-        if lora is None:
-            served = [self.base_model, *sorted(self._by_name)]
+        return self._entry(model)[0]
+
+    def card(self, name: str) -> ModelCard:
+        """An adapter's card (a 404 if it is not served): its ``parent`` is the base
+        model, its ``root`` its file."""
+        return self._card(name, *self._entry(name))
+
+    def cards(self) -> list[ModelCard]:
+        return [self._card(name, *entry) for name, entry in sorted(list(self._served.items()))]
+
+    def _card(self, name: str, lora: LoRARequest, created: int) -> ModelCard:
+        return ModelCard(id=name, created=created, parent=self.base_model, root=lora.path)
+
+    def _entry(self, model: str) -> tuple[LoRARequest, int]:
+        entry = self._served.get(model)
+        if entry is None:
+            served = [self.base_model, *sorted(list(self._served))]
             raise APIError(
                 404,
                 f"model {model!r} does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )
-        return lora
-
-    def card(self, name: str) -> ModelCard:
-        """An adapter's card: its ``parent`` is the base model, its ``root`` its file."""
-        lora = self._by_name[name]
-        return ModelCard(
-            id=name, created=self._created[name], parent=self.base_model, root=lora.path
-        )
-
-    def cards(self) -> list[ModelCard]:
-        return [self.card(name) for name in sorted(self._by_name)]
+        return entry
 
     def load(self, name: str, path: str, created: int) -> None:
         """Load ``path`` on every worker and serve it as model ``name`` (blocking)."""
         if not name.strip():
             raise bad_field("lora_name", "lora_name: must be a non-empty name")
         with self._lock:
-            if name == self.base_model or name in self._by_name:
+            if name == self.base_model or name in self._served:
                 raise bad_field("lora_name", f"lora_name: the model {name!r} is already served")
             # Never an id used before: a request still queued with an unloaded
             # adapter must not meet another file under its id.
@@ -97,24 +103,22 @@ class ServedAdapters:
             except (InvalidFieldError, AdapterFileError) as exc:
                 field = "lora_name" if getattr(exc, "field", None) == "name" else "lora_path"
                 raise bad_field(field, f"{field}: {exc}") from None
-            self._by_name[name] = lora
-            self._created[name] = created
+            self._served[name] = (lora, created)
             self._last_id = adapter_id
 
     def unload(self, name: str) -> None:
         """Unload model ``name`` from every worker and stop serving it (blocking)."""
         with self._lock:
-            lora = self._by_name.get(name)
-            if lora is None:
+            entry = self._served.get(name)
+            if entry is None:
                 raise APIError(
                     404,
                     f"the LoRA adapter {name!r} is not loaded",
                     param="lora_name",
                     code="not_found",
                 )
-            self.engine.remove_lora(lora.adapter_id)  # False: the engine had evicted it
-            del self._by_name[name]
-            del self._created[name]
+            self.engine.remove_lora(entry[0].adapter_id)  # False: the engine had evicted it
+            del self._served[name]
 
 
 def add_adapter_routes(

@@ -136,8 +136,7 @@ def build_app(
 
     @app.get("/v1/models/{model}", response_model=ModelCard, responses=ERROR_RESPONSES)
     async def get_model(model: str) -> JSONResponse:
-        lora = models.lora_for(model)  # a 404 for a model not served
-        card = model_card() if lora is None else models.card(model)
+        card = model_card() if model == model_name else models.card(model)  # 404 if not served
         return JSONResponse(card.model_dump())
 
     @app.get("/health", responses=ERROR_RESPONSES)
