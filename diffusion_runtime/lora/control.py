@@ -26,10 +26,6 @@ CollectiveCall = Callable[[str, tuple[Any, ...]], list[Any]]
 TableChanged = Callable[[str, int], None]
 
 
-def _ignore(action: str, adapter_id: int) -> None:
-    pass
-
-
 class AdapterControl:
     """Adds, removes, pins and lists adapters across the workers of one core.
 
@@ -43,7 +39,7 @@ class AdapterControl:
         call: CollectiveCall,
         in_use: Callable[[], set[int]],
         capacity: int,
-        changed: TableChanged = _ignore,
+        changed: TableChanged,
     ) -> None:
         self._call = call
         self._in_use = in_use
