@@ -354,6 +354,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+#: ``serve --enable-lora-updates``: adapters active at once when the engine has none set.
+SERVE_MAX_LORAS = 4
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from diffusion_runtime.serving import ServerConfig, serve
 
@@ -366,10 +370,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         intra_op_threads=args.intra_op_threads,
         request_batch_max_wait_ms=args.batch_wait_ms,
     )
+    if args.enable_lora_updates and not engine_config.max_loras:
+        engine_config = attrs.evolve(engine_config, max_loras=SERVE_MAX_LORAS)
     server_config = ServerConfig(
         model_name=args.model_name,
         per_client_limit=args.per_client_limit,
         admin_routes=args.admin_routes,
+        lora_updates=args.enable_lora_updates,
     )
     serve(engine_config, server_config, host=args.host, port=args.port, access_log=args.access_log)
     return 0
@@ -457,6 +464,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-routes",
         action="store_true",
         help="add the operator's /admin routes: sleep, wake_up, profile (docs/operations.md)",
+    )
+    serve.add_argument(
+        "--enable-lora-updates",
+        action="store_true",
+        help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (docs/lora.md); "
+        f"turns adapters on with {SERVE_MAX_LORAS} device slots",
     )
     serve.add_argument("--max-queue-len", type=int, default=256, help="waiting requests (429)")
     serve.add_argument(

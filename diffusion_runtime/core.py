@@ -63,6 +63,7 @@ from diffusion_runtime.fsm import (
 from diffusion_runtime.fsm.audit import Auditor, InvariantViolation, Violation
 from diffusion_runtime.fsm.events import (
     AbortEvent,
+    AdapterEvent,
     DeliveryEvent,
     EngineEvent,
     RunnerEvent,
@@ -191,7 +192,9 @@ class EngineCore:
         self._release_due = False
         self._inbox = CoreInbox()
         self._adapters = (
-            AdapterControl(self._call_all, self._adapters_in_use, config.lora_capacity)
+            AdapterControl(
+                self._call_all, self._adapters_in_use, config.lora_capacity, self._adapter_event
+            )
             if config.max_loras
             else None
         )
@@ -363,18 +366,24 @@ class EngineCore:
         request = Request(
             queued.request_id, queued.prompt, params, queued.seed, batch_key, queued.arrival_time
         )
-        if params.lora is not None and self._adapters is not None:
+        # At shutdown a queued request is admitted only to be aborted: it loads nothing.
+        lora = None if self._adapters is None or self._shut_down else params.lora
+        if lora is not None and self._adapters is not None:
             try:
-                self._adapters.ensure(params.lora)  # loads it on demand
+                self._adapters.ensure(lora)  # loads it on demand
             except EngineDeadError:
                 raise
             except Exception as exc:  # no room, or a worker failed to load it
+                self._adapter_event("refused", lora.adapter_id, queued.request_id)
                 self._refused.append(_refused(queued, exc))
                 return
         try:
             self.scheduler.add_request(request)
         except (DuplicateRequestError, QueueFullError) as exc:  # raced another thread's request
             self._refused.append(_refused(queued, exc))
+            return
+        if lora is not None:
+            self._adapter_event("used", lora.adapter_id, queued.request_id)
 
     def _apply_abort(self, abort: QueuedAbort) -> None:
         for request_id in abort.request_ids:
@@ -635,6 +644,20 @@ class EngineCore:
     def _call_all(self, method: str, args: tuple[Any, ...]) -> list[Any]:
         replies: list[Any] = self.collective_rpc(method, args)
         return replies
+
+    def _adapter_event(self, action: str, adapter_id: int, request_id: str | None = None) -> None:
+        if self.machine.traced:
+            config = self.config
+            self.machine.publish(
+                AdapterEvent(
+                    action,
+                    adapter_id,
+                    time.monotonic(),
+                    request_id,
+                    config.max_loras,
+                    config.lora_capacity,
+                )
+            )
 
     def _adapters_in_use(self) -> set[int]:
         """Adapters of the waiting, running and preempted requests."""

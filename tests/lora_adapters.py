@@ -9,22 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 from diffusion_runtime import LoRARequest
-from diffusion_runtime.lora.weights import save_adapter
 from diffusion_runtime.pipelines.digits.model import DenoiserConfig, DigitDenoiser
+from diffusion_runtime.testing.adapter_files import linear_shapes, write_random_adapter
 
 
 def digits_layer_shapes() -> dict[str, tuple[int, int]]:
     """``(in, out)`` of every linear layer of the digits network, by name."""
-    model = DigitDenoiser(DenoiserConfig())
-    return {
-        name: (m.in_features, m.out_features)
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear)
-    }
+    return linear_shapes(DigitDenoiser(DenoiserConfig()))
 
 
 def write_adapter(
@@ -35,18 +27,7 @@ def write_adapter(
     alpha: float | None = None,
 ) -> Path:
     """A random adapter of ``rank`` on ``layers`` (default: all) of the digits network."""
-    generator = torch.Generator().manual_seed(seed)
-    shapes = digits_layer_shapes()
-    pairs = {
-        name: (
-            torch.randn(rank, fan_in, generator=generator) * 0.05,
-            torch.randn(fan_out, rank, generator=generator) * 0.05,
-        )
-        for name, (fan_in, fan_out) in shapes.items()
-        if layers is None or name in layers
-    }
-    save_adapter(path, pairs, alpha=alpha)
-    return path
+    return write_random_adapter(path, digits_layer_shapes(), seed, rank, layers, alpha)
 
 
 def adapter(directory: Path, adapter_id: int, scale: float = 1.0, rank: int = 4) -> LoRARequest:

@@ -19,6 +19,7 @@ from diffusion_runtime.testing.targets import (
     core_harness,
     deadline_harness,
     harness_for,
+    lora_harness,
     patient_harness,
     preempt_harness,
     stage_harness,
@@ -47,6 +48,8 @@ PATIENT_EXAMPLES = 1500
 #: The bugs whose path is rare take 100-150 by the draws, and the draws move with
 #: every rule added: the budget leaves room, and a caught bug stops the hunt.
 CATCH_EXAMPLES = 500
+#: Examples for each passing run of the adapter target (digits, about 0.4 s each).
+LORA_EXAMPLES = 100
 
 FAST_SUBSET = {
     "results-by-position",
@@ -82,6 +85,11 @@ FAST_SUBSET = {
     "progress-outlives-its-request",
     "delivery-ignores-the-fence",
     "batched-device-fault-kept-local",
+    "batch-mate-adapter",
+    "adapter-scale-ignored",
+    "in-use-adapter-evicted",
+    "pin-ignored-by-eviction",
+    "in-use-adapter-removed",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -168,6 +176,22 @@ REQUIRED_REACH = {
         "path: an aged request ran first": 30,
         "path: a late request completed": 30,
     },
+    "lora": {
+        "adapter: add_lora loaded": 50,
+        "adapter: add_lora refused, no room": 10,
+        "adapter: evicted": 40,
+        "adapter: pinned": 40,
+        "adapter: refused": 10,
+        "adapter: removed": 5,
+        "adapter: remove_lora refused while in use": 20,
+        "rule: pin, then load the others": 20,
+        "rule: requests with mixed adapters": 30,
+        "path: a request with an adapter matched its merged network": 50,
+    },
+    "lora-step": {
+        "path: a wave of two adapters": 50,
+        "path: a wave of an adapter and the base model": 50,
+    },
     "front": {
         "path: close with blocked readers": 5,
         "path: consumer dropped while its request was active": 5,
@@ -230,6 +254,14 @@ def test_the_real_runtime_passes_and_reaches_every_path(target: str, mode: str) 
         required.update(REQUIRED_REACH["step"])
     examples = LOCKSTEP_EXAMPLES if target == "lockstep" else MAX_EXAMPLES
     passes_and_reaches(harness_for(target, mode), examples, required)
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_real_runtime_passes_with_adapters_and_reaches_every_path(mode: str) -> None:
+    required = dict(REQUIRED_REACH["lora"])
+    if mode == "step":
+        required.update(REQUIRED_REACH["lora-step"])
+    passes_and_reaches(lora_harness(mode), LORA_EXAMPLES, required)
 
 
 def test_the_real_runtime_passes_with_preemption_and_reaches_every_path() -> None:

@@ -15,6 +15,11 @@ from typing import Protocol
 
 import attrs
 
+from diffusion_runtime.fsm.adapter_checks import (
+    AdaptersInUseStay,
+    AdaptersWithinLimits,
+    PinnedAdaptersStay,
+)
 from diffusion_runtime.fsm.effect_checks import (
     AbortsTakeEffect,
     DeadlineDropsOnlyWaiting,
@@ -25,6 +30,7 @@ from diffusion_runtime.fsm.effect_checks import (
 from diffusion_runtime.fsm.events import (
     ADMIT,
     AbortEvent,
+    AdapterEvent,
     DeliveryEvent,
     EngineEvent,
     LifecycleEvent,
@@ -544,7 +550,7 @@ class PreemptionKeepsState:
 
 
 def default_checkers() -> list[InvariantChecker]:
-    """One checker per invariant, INV-001 to INV-011."""
+    """One checker per invariant, INV-001 to INV-011 and the adapters' INV-013..015."""
     return [
         OneLifecycleOwner(),
         ExecutionFollowsScheduler(),
@@ -557,6 +563,9 @@ def default_checkers() -> list[InvariantChecker]:
         StepsAsRequested(),
         OutputsSayWhetherFinal(),
         DeadlineDropsOnlyWaiting(),
+        AdaptersWithinLimits(),
+        PinnedAdaptersStay(),
+        AdaptersInUseStay(),
     ]
 
 
@@ -624,6 +633,8 @@ class Auditor:
                 known[event.request_id] = None
             return event if event.request_id in known else None
         if isinstance(event, (DeliveryEvent, ResourceEvent, AbortEvent)):
+            return event if event.request_id in known else None
+        if isinstance(event, AdapterEvent) and event.request_id is not None:
             return event if event.request_id in known else None
         if isinstance(event, WaveEvent):
             self._waves_in_view.add(event.wave_id)

@@ -215,6 +215,38 @@ class EngineEvent:
         return {"kind": self.kind, "state": self.state, "time": self.time, "reason": self.reason}
 
 
+@attrs.frozen(slots=True)
+class AdapterEvent:
+    """The core's table of LoRA adapters changed, or a request took an adapter.
+
+    ``action`` is ``loaded``, ``evicted`` (to make room), ``removed`` (by a
+    caller), ``pinned``, ``used`` (``request_id`` is admitted with it) or
+    ``refused`` (``request_id`` was refused at admission: its adapter could not
+    be loaded). ``max_loras`` and ``max_cpu_loras`` are the engine's limits
+    (INV-013..015).
+    """
+
+    action: str
+    adapter_id: int
+    time: float
+    request_id: str | None = None
+    max_loras: int = 0
+    max_cpu_loras: int = 0
+
+    kind = "adapter"
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "action": self.action,
+            "adapter_id": self.adapter_id,
+            "time": self.time,
+            "request_id": self.request_id,
+            "max_loras": self.max_loras,
+            "max_cpu_loras": self.max_cpu_loras,
+        }
+
+
 TraceEvent = (
     LifecycleEvent
     | WaveEvent
@@ -223,6 +255,7 @@ TraceEvent = (
     | ResourceEvent
     | AbortEvent
     | EngineEvent
+    | AdapterEvent
 )
 
 
@@ -268,4 +301,6 @@ def event_from_json(record: dict[str, Any]) -> TraceEvent:
         return AbortEvent(**fields)
     if kind == "engine":
         return EngineEvent(**fields)
+    if kind == "adapter":
+        return AdapterEvent(**fields)
     raise ValueError(f"unknown trace event kind {kind!r}")

@@ -21,18 +21,29 @@ logger = logging.getLogger(__name__)
 
 #: ``collective_rpc(method, args)``: the list of every worker's reply.
 CollectiveCall = Callable[[str, tuple[Any, ...]], list[Any]]
+#: Told each change of the table: ``(action, adapter_id)``, the action one of
+#: ``loaded``, ``evicted``, ``removed``, ``pinned`` (the trace's ``AdapterEvent``).
+TableChanged = Callable[[str, int], None]
 
 
 class AdapterControl:
     """Adds, removes, pins and lists adapters across the workers of one core.
 
     ``in_use()`` returns the adapter ids of the active (waiting, running or
-    preempted) requests: those are never evicted nor removed.
+    preempted) requests: those are never evicted nor removed. ``changed`` is
+    told every change of the table, once every worker has applied it.
     """
 
-    def __init__(self, call: CollectiveCall, in_use: Callable[[], set[int]], capacity: int) -> None:
+    def __init__(
+        self,
+        call: CollectiveCall,
+        in_use: Callable[[], set[int]],
+        capacity: int,
+        changed: TableChanged,
+    ) -> None:
         self._call = call
         self._in_use = in_use
+        self._changed = changed
         self.table = AdapterTable(capacity)
 
     def add(self, request: LoRARequest) -> bool:
@@ -49,8 +60,10 @@ class AdapterControl:
             raise
         self._call("commit_lora", (request.adapter_id, victims))
         self.table.add(request, victims)
-        if victims:
-            logger.info("evicted adapter %d to load adapter %d", victims[0], request.adapter_id)
+        for victim in victims:
+            logger.info("evicted adapter %d to load adapter %d", victim, request.adapter_id)
+            self._changed("evicted", victim)
+        self._changed("loaded", request.adapter_id)
         return True
 
     def ensure(self, request: LoRARequest) -> None:
@@ -72,6 +85,7 @@ class AdapterControl:
             )
         self._call("remove_lora", (adapter_id,))
         self.table.remove(adapter_id)
+        self._changed("removed", adapter_id)
         return True
 
     def pin(self, adapter_id: int) -> bool:
@@ -79,6 +93,7 @@ class AdapterControl:
         if adapter_id not in self.table:
             return False
         self.table.pin(adapter_id)
+        self._changed("pinned", adapter_id)
         return True
 
     def list(self) -> list[int]:

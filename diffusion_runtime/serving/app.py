@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.errors import DiffusionRuntimeError
+from diffusion_runtime.serving.adapters import ServedAdapters, add_adapter_routes
 from diffusion_runtime.serving.admin import add_admin_routes
 from diffusion_runtime.serving.body_limit import BodySizeLimit
 from diffusion_runtime.serving.config import ServerConfig
@@ -22,7 +23,6 @@ from diffusion_runtime.serving.generation import ImageGeneration
 from diffusion_runtime.serving.http_metrics import HttpMetrics, ResponseCounter
 from diffusion_runtime.serving.json_body_route import JsonBodyRoute
 from diffusion_runtime.serving.metrics import EngineMetrics
-from diffusion_runtime.serving.params import check_model
 from diffusion_runtime.serving.schema import (
     ErrorResponse,
     ImageGenerationRequest,
@@ -69,8 +69,11 @@ def build_app(
     config = config if config is not None else ServerConfig()
     metrics = metrics if metrics is not None else EngineMetrics(engine)
     http_metrics = HttpMetrics(metrics.registry)
+    if config.lora_updates and not engine.config.max_loras:
+        raise ValueError("ServerConfig.lora_updates needs EngineConfig.max_loras > 0")
     model_name = served_model_name(engine, config)
-    generation = ImageGeneration(engine, config, model_name, metrics, http_metrics)
+    models = ServedAdapters(engine, model_name)
+    generation = ImageGeneration(engine, config, models, metrics, http_metrics)
     created = int(time.time())
 
     @asynccontextmanager
@@ -128,12 +131,13 @@ def build_app(
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> JSONResponse:
-        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+        """The base model, then each adapter the server serves as a model of its own."""
+        return JSONResponse(ModelList(data=[model_card(), *models.cards()]).model_dump())
 
     @app.get("/v1/models/{model}", response_model=ModelCard, responses=ERROR_RESPONSES)
     async def get_model(model: str) -> JSONResponse:
-        check_model(model, model_name)
-        return JSONResponse(model_card().model_dump())
+        card = model_card() if model == model_name else models.card(model)  # 404 if not served
+        return JSONResponse(card.model_dump())
 
     @app.get("/health", responses=ERROR_RESPONSES)
     async def health() -> JSONResponse:
@@ -155,4 +159,6 @@ def build_app(
 
     if config.admin_routes:
         add_admin_routes(app, engine, config.retry_after_s)
+    if config.lora_updates:
+        add_adapter_routes(app, models, config.retry_after_s, time.time)
     return app

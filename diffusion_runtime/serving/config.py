@@ -28,7 +28,9 @@ class ServerConfig:
     seconds, at most ``max_stored_images`` of them. A progress stream sends a
     keep-alive comment after ``stream_keepalive_s`` seconds of silence.
     ``admin_routes`` adds the operator's ``/admin/...`` routes (sleep, wake,
-    profile; ``docs/operations.md``), off by default.
+    profile; ``docs/operations.md``), off by default. ``lora_updates`` adds
+    ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+    (``docs/lora.md``), off by default.
     """
 
     model_name: str | None = attrs.field(default=None, validator=_is_optional_name)
@@ -43,3 +45,4 @@ class ServerConfig:
     max_stored_images: int = attrs.field(default=1_024, validator=int_in_range(1, 2**24))
     stream_keepalive_s: float = attrs.field(default=15.0, validator=finite_in_range(0.01, 3_600.0))
     admin_routes: bool = attrs.field(default=False, validator=is_bool)
+    lora_updates: bool = attrs.field(default=False, validator=is_bool)

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio.to_thread
+import attrs
 from fastapi import Request
 from starlette.responses import Response
 
@@ -15,6 +16,7 @@ from diffusion_runtime.front import Front
 from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.serving.adapters import ServedAdapters
 from diffusion_runtime.serving.admission import ClientLimiter
 from diffusion_runtime.serving.config import ServerConfig
 from diffusion_runtime.serving.disconnect import DisconnectWatch
@@ -30,25 +32,26 @@ from diffusion_runtime.serving.images import (
 )
 from diffusion_runtime.serving.json_body_route import CLIENT_CLOSED_REQUEST
 from diffusion_runtime.serving.metrics import EngineMetrics
-from diffusion_runtime.serving.params import check_model, sampling_params_for
+from diffusion_runtime.serving.params import sampling_params_for
 from diffusion_runtime.serving.request_outputs import OutputReaders, RequestOutputs
 from diffusion_runtime.serving.schema import ImageData, ImageGenerationRequest, ImagesResponse
 
 
 class ImageGeneration:
-    """Serves image generation requests against one front (any :class:`Front`)."""
+    """Serves image generation requests against one front (any :class:`Front`);
+    a request naming an adapter's model runs with that adapter."""
 
     def __init__(
         self,
         engine: Front,
         config: ServerConfig,
-        model_name: str,
+        models: ServedAdapters,
         metrics: EngineMetrics,
         http_metrics: HttpMetrics,
     ) -> None:
         self.engine = engine
         self.config = config
-        self.model_name = model_name
+        self.models = models
         self.metrics = metrics
         self.http_metrics = http_metrics
         self.limiter = ClientLimiter(config.per_client_limit, config.retry_after_s)
@@ -56,8 +59,10 @@ class ImageGeneration:
         self.readers = OutputReaders()
 
     async def handle(self, body: ImageGenerationRequest, request: Request) -> Response:
-        check_model(body.model, self.model_name)
+        lora = self.models.lora_for(body.model)
         params = sampling_params_for(body, self.config)
+        if lora is not None:
+            params = attrs.evolve(params, lora=lora)
         if body.stream and body.response_format == "url":
             raise bad_field(
                 "response_format", "response_format: a stream sends its images inline (b64_json)"

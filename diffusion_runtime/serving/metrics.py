@@ -19,7 +19,13 @@ from prometheus_client.registry import Collector
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.errors import DiffusionRuntimeError
 from diffusion_runtime.fsm import ADMIT, LifecycleEvent, RequestStatus, Trigger
-from diffusion_runtime.fsm.events import EngineEvent, RunnerEvent, TraceEvent, WaveEvent
+from diffusion_runtime.fsm.events import (
+    AdapterEvent,
+    EngineEvent,
+    RunnerEvent,
+    TraceEvent,
+    WaveEvent,
+)
 
 #: Seconds: from a fast step of a small model to minutes of a large one.
 LATENCY_BUCKETS = (
@@ -107,6 +113,17 @@ class EngineMetrics:
             "Engine deaths (a worker died, a device fault or a loop crash); see the log for why",
             registry=r,
         )
+        self.adapter_requests = Counter(
+            "diffusion_lora_requests",
+            "Requests admitted with a LoRA adapter, by adapter id",
+            ["adapter_id"],
+            registry=r,
+        )
+        self.adapter_evictions = Counter(
+            "diffusion_lora_evictions",
+            "LoRA adapters evicted from host memory to load another",
+            registry=r,
+        )
         r.register(_EngineStateCollector(engine))
         self._lock = threading.Lock()
         self._admitted_at: dict[str, float] = {}
@@ -145,6 +162,11 @@ class EngineMetrics:
                 self.steps.inc(len(event.progressed))
         elif isinstance(event, EngineEvent) and event.state == "dead":
             self.engine_deaths.inc()
+        elif isinstance(event, AdapterEvent):
+            if event.action == "used":
+                self.adapter_requests.labels(str(event.adapter_id)).inc()
+            elif event.action == "evicted":
+                self.adapter_evictions.inc()
 
     def count_steps(self, steps: int) -> None:
         """Count ``steps`` denoising steps the engine ran without reporting them

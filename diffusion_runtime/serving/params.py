@@ -8,7 +8,7 @@ from typing import Any
 from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.serving.config import ServerConfig
-from diffusion_runtime.serving.errors import PUBLIC_FIELD_NAMES, APIError, bad_field
+from diffusion_runtime.serving.errors import PUBLIC_FIELD_NAMES, bad_field
 from diffusion_runtime.serving.schema import ImageGenerationRequest
 
 _SIZE = re.compile(r"([1-9][0-9]{0,4})x([1-9][0-9]{0,4})")
@@ -58,14 +58,3 @@ def sampling_params_for(body: ImageGenerationRequest, config: ServerConfig) -> S
     except InvalidFieldError as exc:
         param = PUBLIC_FIELD_NAMES.get(exc.field, exc.field)
         raise bad_field(param, f"{param}: {exc.rule}; got {exc.value!r}") from None
-
-
-def check_model(requested: str | None, served: str) -> None:
-    """A 404 unless ``requested`` is the served model (or left out)."""
-    if requested is not None and requested != served:
-        raise APIError(
-            404,
-            f"model {requested!r} does not exist; this server serves {served!r}",
-            param="model",
-            code="model_not_found",
-        )

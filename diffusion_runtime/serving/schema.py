@@ -50,10 +50,15 @@ class ImagesResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """A served model; an adapter's card names the base model (``parent``) and its
+    adapter file (``root``), as vLLM's do."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "diffusion-runtime"
+    parent: str | None = None
+    root: str | None = None
 
 
 class ModelList(BaseModel):

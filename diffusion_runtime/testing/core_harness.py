@@ -74,6 +74,8 @@ class RequestRecord:
     fatal: bool = False
     aborted: bool = False
     preempted: bool = False
+    #: The core refused it at admission (a final error output, no lifecycle).
+    refused: bool = False
     final: RequestOutput | None = None
     #: The digest of the final output's images when it was delivered.
     delivered_digest: str | None = None
@@ -408,6 +410,8 @@ class CoreLifecycleMachine(HarnessRoot):
         for rid in active:
             final = self.records[rid].final
             assert final is not None, f"close ended {rid!r} without a final output"
+            if self.records[rid].refused:
+                continue
             assert final.status is RequestStatus.FINISHED_ABORTED, (rid, final)
             self.records[rid].aborted = True
 
@@ -639,6 +643,10 @@ class CoreLifecycleMachine(HarnessRoot):
                 self.reach.note("path: progress output")
                 continue
             assert record.final is None, f"a second final output: {output}"
+            if record.refused:
+                assert output.status is RequestStatus.FINISHED_ERROR, output
+                record.final = output
+                continue
             assert self.states.get(output.request_id) is output.status, (
                 f"{output.request_id!r} delivered as {output.status}, "
                 f"but its lifecycle ended {self.states.get(output.request_id)}"

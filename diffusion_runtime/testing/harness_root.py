@@ -142,6 +142,10 @@ class HarnessRoot(RuleBasedStateMachine):
                 "(declare seed_free = True on a pipeline that means to)"
             )
 
+    def tolerance_for(self, params: SamplingParams) -> float:
+        """The absolute difference allowed between a request's output and the direct run."""
+        return self.oracle_tolerance
+
     def check_against_expected(
         self,
         output: RequestOutput,
@@ -156,7 +160,7 @@ class HarnessRoot(RuleBasedStateMachine):
         assert expected is not None, (
             f"{output.request_id!r} completed, but the pipeline alone fails prompt {prompt!r}"
         )
-        assert self.oracle.matches(expected, output.image_batch, self.oracle_tolerance), (
+        assert self.oracle.matches(expected, output.image_batch, self.tolerance_for(params)), (
             f"{output.request_id!r}: output differs from the pipeline run directly "
             f"(prompt {prompt!r}, {params}, seed {seed})"
         )

@@ -27,10 +27,12 @@ from diffusion_runtime.testing.deadline_harness import (
 from diffusion_runtime.testing.gap_mutations import PriorityPreemptingScheduler
 from diffusion_runtime.testing.harness import EngineLifecycleMachine, lifecycle_machine
 from diffusion_runtime.testing.lockstep import lockstep_machine
+from diffusion_runtime.testing.lora_rules import adapter_lifecycle_machine, digits_adapter_pool
 from diffusion_runtime.testing.stage_front import StageFront
 from diffusion_runtime.testing.strategies import sampling_params
 
 PROMPTS = st.sampled_from(["cat", "dog", 7])
+DIGIT_PROMPTS = st.sampled_from([3, "7", 0])
 #: Prompts ``testing-faults`` fails on: in the forward, by a missing result, in a step.
 FAILING_PROMPTS = st.sampled_from(["fail", "missing", "bad-step"])
 #: RPC timeouts: on mp a microsecond is too short for any reply (the late one must be dropped).
@@ -145,6 +147,38 @@ def patient_harness() -> type[CoreLifecycleMachine]:
     return deadline_harness(PatientEarliestDeadline, "run_late", max_num_seqs=3)
 
 
+def lora_harness(mode: str) -> type[CoreLifecycleMachine]:
+    """The core harness with adapters (:mod:`.lora_rules`) over the digits pipeline:
+    four adapters in the pool, three host slots and two device slots, so loading
+    evicts and steps hold requests back."""
+    # At least two steps: the merged-weights oracle's rounding differences grow
+    # tenfold when one step predicts the image from pure noise.
+    steps = (2, 4) if mode == "request" else (2, 6)
+    return adapter_lifecycle_machine(
+        lambda: lora_config(mode),
+        digits_adapter_pool(),
+        sampling_params(steps=steps, outputs=(1, 2), guidance=[1.0, 2.0]),
+        prompts=DIGIT_PROMPTS,
+        rpc_timeouts=RPC_TIMEOUTS,
+    )
+
+
+def lora_config(mode: str) -> EngineConfig:
+    """The adapter targets' engine config: the digits pipeline, one thread."""
+    return EngineConfig(
+        pipeline="digits",
+        device="cpu",
+        max_num_seqs=3,
+        execution_mode=mode,
+        streaming_output=mode == "step",
+        preview_interval=1,
+        max_loras=2,
+        max_cpu_loras=3,
+        warmup=False,
+        intra_op_threads=1,
+    )
+
+
 def front_harness(mode: str) -> type[EngineLifecycleMachine]:
     """The front harness over a :class:`~diffusion_runtime.engine.DiffusionEngine`."""
     return lifecycle_machine(
@@ -207,8 +241,9 @@ def lockstep_harness(mode: str) -> type[EngineLifecycleMachine]:
 #: DiffusionEngine), ``lockstep`` (a DiffusionEngine the harness drives itself,
 #: racing its loop), ``stage`` (a StageClient and its stage process) and
 #: ``user-scheduler`` (an EngineCore with a user's preempting ``scheduler_cls``,
-#: under the default core harness). The preemptive and deadline targets run in
-#: step mode whatever the mode.
+#: under the default core harness), ``lora`` (an EngineCore with LoRA adapters
+#: over the digits pipeline). The
+#: preemptive and deadline targets run in step mode whatever the mode.
 HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "core": core_harness,
     "mp": lambda mode: core_harness(mode, "mp"),
@@ -222,6 +257,7 @@ HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "front": front_harness,
     "lockstep": lockstep_harness,
     "stage": stage_harness,
+    "lora": lora_harness,
 }
 
 
