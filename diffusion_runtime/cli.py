@@ -343,6 +343,7 @@ BENCHMARKS = {
     "ray": "diffusion_runtime.bench.ray:run",
     "slo": "diffusion_runtime.bench.slo:run",
     "offload": "diffusion_runtime.bench.offload:run",
+    "lora": "diffusion_runtime.bench.lora:run",
 }
 
 
