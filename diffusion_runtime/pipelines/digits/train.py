@@ -40,8 +40,9 @@ from diffusion_runtime.pipelines.digits.pipeline import (
 from diffusion_runtime.pipelines.digits.styles import STYLES, Style, adapter_file
 
 PIXEL_MAX = 16.0
-#: The shipped adapters' recipe: rank, optimisation steps and learning rate.
-ADAPTER_RANK = 8
+#: The shipped adapters' recipe: rank per style, optimisation steps and learning rate.
+#: (``inverted`` needs rank 16: at rank 8 only 89.5 % of its digits were recognised.)
+ADAPTER_RANKS = {"bold": 8, "inverted": 16}
 ADAPTER_STEPS = 1500
 ADAPTER_LR = 2e-3
 
@@ -203,7 +204,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6000, help="denoiser optimisation steps")
     parser.add_argument("--adapter-steps", type=int, default=ADAPTER_STEPS, help="per adapter")
-    parser.add_argument("--rank", type=int, default=ADAPTER_RANK, help="adapter rank")
+    parser.add_argument(
+        "--rank", type=int, default=None, help=f"adapter rank (default: {ADAPTER_RANKS})"
+    )
     parser.add_argument(
         "--adapters-only",
         action="store_true",
@@ -232,8 +235,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     base = DigitsPipeline(weights_dir=args.out).model
     for name, style in STYLES.items():
         start = time.perf_counter()
+        rank = ADAPTER_RANKS[name] if args.rank is None else args.rank
         layers = train_adapter(
-            base, pixels, labels, style, args.rank, args.adapter_steps, args.seed, log_every=500
+            base, pixels, labels, style, rank, args.adapter_steps, args.seed, log_every=500
         )
         save_adapter(args.out / adapter_file(name), layers)
         elapsed = time.perf_counter() - start
