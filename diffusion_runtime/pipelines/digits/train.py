@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         save_adapter(args.out / adapter_file(name), layers)
         elapsed = time.perf_counter() - start
-        print(f"adapter {name}: {args.adapter_steps} steps in {elapsed:.0f}s", flush=True)
+        print(f"adapter {name} ({style.summary}): {args.adapter_steps} steps in {elapsed:.0f}s")
 
 
 if __name__ == "__main__":
