@@ -20,6 +20,7 @@ from diffusion_runtime.cli_checks import (
     check_pipeline,
     parse_pipeline_args,
     prepare_output_dir,
+    shipped_lora,
 )
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
@@ -138,6 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = args.prompts or DEFAULT_PROMPTS
     # The digits are 8x8 pixels: upscale them to something one can look at.
     size = args.size if args.size is not None else (64 if args.pipeline == "digits" else None)
+    lora = None if args.lora is None else shipped_lora(args.lora, args.pipeline)
     params = [
         SamplingParams(
             num_inference_steps=args.steps,
@@ -146,11 +148,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             num_outputs_per_prompt=args.num_outputs,
             height=size,
             width=size,
+            lora=lora,
         )
         for i in range(len(prompts))
     ]
     out_dir = Path(args.out)
-    config = attrs.evolve(_engine_config(args, stream_progress=True), profile_dir=args.profile)
+    config = attrs.evolve(
+        _engine_config(args, stream_progress=True),
+        profile_dir=args.profile,
+        max_loras=0 if lora is None else 1,
+    )
     prepare_output_dir(out_dir)
     with DiffusionEngine.make_engine(config) as engine:
         total = sum(progress_units(sp, config.streaming_output) for sp in params)
@@ -343,6 +350,7 @@ BENCHMARKS = {
     "ray": "diffusion_runtime.bench.ray:run",
     "slo": "diffusion_runtime.bench.slo:run",
     "offload": "diffusion_runtime.bench.offload:run",
+    "lora": "diffusion_runtime.bench.lora:run",
 }
 
 
@@ -403,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="output size in pixels (default: 64 for digits, else the pipeline's own)",
     )
     generate.add_argument("--out", default="out", help="output directory")
+    generate.add_argument(
+        "--lora", metavar="NAME", default=None, help="a shipped digits adapter: bold or inverted"
+    )
     generate.add_argument(
         "--profile",
         metavar="DIR",

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.pipelines.registry import resolve_pipeline_factory
 
 
@@ -73,3 +74,17 @@ def prepare_output_dir(path: Path) -> None:
             pass
     except OSError as exc:
         raise CommandError(f"--out {str(path)!r} is not writable: {exc.strerror}") from None
+
+
+def shipped_lora(name: str, pipeline: str) -> LoRARequest:
+    """The request for the digits model's shipped adapter ``name`` (``generate --lora``)."""
+    from diffusion_runtime.pipelines.digits import LORA_ADAPTERS
+
+    if pipeline != "digits":
+        raise CommandError(
+            f"--lora needs --pipeline digits (the adapters ship with it); got {pipeline!r}"
+        )
+    if name not in LORA_ADAPTERS:
+        known = ", ".join(sorted(LORA_ADAPTERS))
+        raise CommandError(f"--lora {name!r} is not a shipped adapter; known: {known}")
+    return LoRARequest(name=name, adapter_id=1, path=str(LORA_ADAPTERS[name]))

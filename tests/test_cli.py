@@ -16,13 +16,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 from tqdm import tqdm
 
 from diffusion_runtime import DiffusionEngine, SamplingParams
-from diffusion_runtime.cli import progress_units, run_with_progress
+from diffusion_runtime.cli import main, progress_units, run_with_progress
 
 ROOT = Path(__file__).parent.parent
 
@@ -139,6 +140,41 @@ def test_when_every_request_fails_no_grid_is_announced(tmp_path: Path) -> None:
     assert "no grid written" in run.stdout
     assert "grid.png" not in run.stdout
     assert (out / "grid.png").read_bytes() == b"a grid from an earlier run"
+
+
+def mean_brightness(directory: Path) -> float:
+    """The mean pixel value in [0, 1] of the PNGs of one prompt written by generate."""
+    pixels = [
+        np.asarray(Image.open(path).convert("L"), dtype=np.float32) / 255
+        for path in sorted(directory.glob("000-*.png"))
+    ]
+    return float(np.mean(pixels))
+
+
+def test_generate_lora_draws_with_a_shipped_adapter(tmp_path: Path) -> None:
+    common = ["generate", "3", "--num-outputs", "4", "--steps", "10", "--device", "cpu"]
+    assert main([*common, "--out", str(tmp_path / "plain")]) == 0
+    assert main([*common, "--lora", "inverted", "--out", str(tmp_path / "inverted")]) == 0
+    # A light digit on black, then a dark digit on white.
+    assert mean_brightness(tmp_path / "inverted") > mean_brightness(tmp_path / "plain") + 0.25
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--lora", "italic"], "--lora 'italic' is not a shipped adapter; known: bold, inverted"),
+        (["--lora", "bold", "--pipeline", "testing-noise"], "--lora needs --pipeline digits"),
+    ],
+)
+def test_generate_refuses_an_unknown_lora(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], message: str
+) -> None:
+    out = tmp_path / "out"
+    assert main(["generate", *options, "--device", "cpu", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    [line] = captured.err.splitlines()
+    assert line.startswith("error: ") and message in line
+    assert "Traceback" not in captured.err and not out.exists()
 
 
 def test_help_explains_every_option_and_shows_defaults(tmp_path: Path) -> None:

@@ -202,9 +202,18 @@ def test_training_is_deterministic_and_loadable(tmp_path: Path) -> None:
     threads = str(torch.get_num_threads())
     runs = [tmp_path / "a", tmp_path / "b"]
     for out in runs:
-        train_main(["--steps", "3", "--seed", "5", "--threads", threads, "--out", str(out)])
+        train_main([
+            "--steps", "3", "--adapter-steps", "2", "--rank", "2", "--seed", "5",
+            "--threads", threads, "--out", str(out),
+        ])  # fmt: skip
     names = sorted(p.name for p in runs[0].iterdir())
-    assert names == ["classifier.safetensors", "denoiser.json", "denoiser.safetensors"]
+    assert names == [
+        "classifier.safetensors",
+        "denoiser.json",
+        "denoiser.safetensors",
+        "lora-bold.safetensors",
+        "lora-inverted.safetensors",
+    ]
     for name in names:
         assert (runs[0] / name).read_bytes() == (runs[1] / name).read_bytes(), name
     trained = DigitsPipeline(weights_dir=str(runs[0]))

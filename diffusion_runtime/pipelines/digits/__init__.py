@@ -6,5 +6,12 @@ from diffusion_runtime.pipelines.digits.classifier import (
     recognition_rates,
 )
 from diffusion_runtime.pipelines.digits.pipeline import DigitsPipeline
+from diffusion_runtime.pipelines.digits.styles import LORA_ADAPTERS
 
-__all__ = ["DigitClassifier", "DigitsPipeline", "recognition_rate", "recognition_rates"]
+__all__ = [
+    "LORA_ADAPTERS",
+    "DigitClassifier",
+    "DigitsPipeline",
+    "recognition_rate",
+    "recognition_rates",
+]
