@@ -1,4 +1,4 @@
-"""The invariant auditor: checks INV-001..011 over a stream of trace events.
+"""The invariant auditor: checks INV-001..015 over a stream of trace events.
 
 Each invariant is a small checker with two methods: ``feed(event)`` returns the
 violations an event reveals, and ``finish(complete)`` those only visible at the
@@ -39,6 +39,7 @@ from diffusion_runtime.fsm.events import (
     TraceEvent,
     WaveEvent,
 )
+from diffusion_runtime.fsm.sleep_check import NothingRunsAsleep
 from diffusion_runtime.fsm.states import TERMINAL_STATES, RequestStatus
 from diffusion_runtime.fsm.violation import RECENT_LIMIT, InvariantViolation, Recent, Violation
 
@@ -550,7 +551,7 @@ class PreemptionKeepsState:
 
 
 def default_checkers() -> list[InvariantChecker]:
-    """One checker per invariant, INV-001 to INV-011 and the adapters' INV-013..015."""
+    """One checker per invariant: INV-001 to INV-012 and the adapters' INV-013..015."""
     return [
         OneLifecycleOwner(),
         ExecutionFollowsScheduler(),
@@ -563,6 +564,7 @@ def default_checkers() -> list[InvariantChecker]:
         StepsAsRequested(),
         OutputsSayWhetherFinal(),
         DeadlineDropsOnlyWaiting(),
+        NothingRunsAsleep(),
         AdaptersWithinLimits(),
         PinnedAdaptersStay(),
         AdaptersInUseStay(),
