@@ -5,8 +5,9 @@ Nothing here waits on a thread, so every draw depends only on earlier draws:
 the same seed replays the same example, and a failure shrinks. Rules admit
 requests (alone, in bursts that mix failing prompts with good ones, and under
 ids already taken), step the core, abort between steps and during a wave, call
-worker RPCs with short timeouts, kill a worker and close. After every rule:
-the auditor (INV-001..011) found nothing and no component holds state for a
+worker RPCs with short timeouts, kill a worker, put the core to sleep and wake
+it (:mod:`.sleep_rules`), and close. After every rule:
+the auditor (INV-001..012) found nothing and no component holds state for a
 finished request, and every delivered output still holds the images it was
 delivered with. At the end: every request that no fault touched completed (a
 failing request excuses its batch mates only where the pipeline fails a whole
@@ -58,9 +59,10 @@ from diffusion_runtime.outputs import RequestOutput, images_digest
 from diffusion_runtime.sampling_params import MAX_PRIORITY, SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.testing.copies_in_flight import CopiesInFlight
-from diffusion_runtime.testing.harness_root import HarnessRoot, configured
+from diffusion_runtime.testing.harness_root import configured
 from diffusion_runtime.testing.oracle import FailureScope
 from diffusion_runtime.testing.probes import PROBE_PATH
+from diffusion_runtime.testing.sleep_rules import SleepRules
 
 
 @attrs.define
@@ -82,7 +84,7 @@ class RequestRecord:
     waves: set[int] = attrs.field(factory=set)
 
 
-class CoreLifecycleMachine(HarnessRoot):
+class CoreLifecycleMachine(SleepRules):
     """The harness over an :class:`EngineCore`; configure it with
     :func:`core_lifecycle_machine` or subclass it."""
 
@@ -473,6 +475,7 @@ class CoreLifecycleMachine(HarnessRoot):
             return
         try:
             if self._alive:
+                self.wake_for_the_end()
                 self._run_until_idle()
             if self._alive:
                 held = self._pipeline_held()

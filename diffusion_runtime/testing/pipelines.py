@@ -125,12 +125,19 @@ class FaultInjectingPipeline(SeededNoisePipeline):
     (``step_batch`` has no other way to fail one request without the rest).
 
     ``forward_batches`` and ``step_batches`` record the ids of every call.
+
+    With ``weights=True`` the prompt's pattern passes through :class:`PatternGain`,
+    a module with a parameter and a buffer, and :meth:`reload_weights` builds it
+    again, so sleep level 2 drops and reloads real weights that outputs depend on.
     """
 
     GATE_TIMEOUT_S = 60.0
 
-    def __init__(self, *args: Any, batched_steps: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, batched_steps: bool = False, weights: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.gain = PatternGain(self.device) if weights else None
         self.gate_entered = threading.Event()
         self.gate_release = threading.Event()
         self.forward_batches: list[list[str]] = []
@@ -183,6 +190,15 @@ class FaultInjectingPipeline(SeededNoisePipeline):
         decoded = torch.sigmoid(torch.cat([state.latents for state in states]))
         return list(torch.split(decoded, [state.latents.shape[0] for state in states]))
 
+    def reload_weights(self) -> None:
+        """Sleep level 2's wake: the weights again, from their source (the constructor)."""
+        if self.gain is not None:
+            self.gain = PatternGain(self.device)
+
+    def _pattern(self, prompt: Any, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        pattern = super()._pattern(prompt, shape)
+        return pattern if self.gain is None else self.gain(pattern)
+
     def _inject(self, prompts: list[Any]) -> None:
         words = " ".join(str(p) for p in prompts)
         if "gate" in words:
@@ -193,6 +209,20 @@ class FaultInjectingPipeline(SeededNoisePipeline):
             raise DeviceFault("injected device fault")
         if "fail" in words:
             raise RuntimeError("injected failure")
+
+
+class PatternGain(torch.nn.Module):
+    """A gain (a parameter) and an offset (a buffer) on the prompt's pattern."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((1,), 0.75, device=device))
+        self.offset: torch.Tensor
+        self.register_buffer("offset", torch.full((1,), 0.125, device=device))
+
+    def forward(self, pattern: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return pattern * self.scale + self.offset
 
 
 def _pulled(latents: torch.Tensor, pull: torch.Tensor, remaining: int) -> torch.Tensor:

@@ -63,9 +63,11 @@ def config(
     max_num_seqs: int = 2,  # small, so waves fill up and overfill when a policy is wrong
     **more: Any,
 ) -> EngineConfig:
-    """The core targets' engine config (``more``: other config fields)."""
+    """The core targets' engine config (``more``: other config fields). The pipeline
+    has weights, so that a level-2 sleep drops and reloads some."""
     return EngineConfig(
         pipeline="testing-faults",
+        pipeline_kwargs={"weights": True},
         device="cpu",
         max_num_seqs=max_num_seqs,
         execution_mode=mode,
