@@ -26,6 +26,12 @@ from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.errors import DiffusionRuntimeError
 from diffusion_runtime.fsm.events import TraceEvent
+from diffusion_runtime.fsm.profile_merge import (
+    ProfileMergeError,
+    WorkerProfile,
+    merged_trace,
+    read_profiles,
+)
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import SamplingParams
 
@@ -235,6 +241,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if (args.trace is None) == (args.replay is None):
         raise CommandError("audit takes a TRACE to check or --replay FILE to rerun (one of them)")
     if args.replay is not None:
+        if args.profile is not None:
+            raise CommandError("--profile DIR goes with a TRACE, not with --replay")
         return _audit_replay(args)
     if args.trace_out is not None:
         raise CommandError("--trace OUT.jsonl goes with --replay FILE")
@@ -244,7 +252,20 @@ def cmd_audit(args: argparse.Namespace) -> int:
         events = list(read_trace(args.trace))
     except OSError as exc:
         raise CommandError(f"cannot read the trace {args.trace!r}: {exc.strerror}") from None
-    return 1 if _report_audit(events, args.perfetto, f"in {args.trace}") else 0
+    profiles = _read_profiles(args.profile, args.perfetto)
+    return 1 if _report_audit(events, args.perfetto, f"in {args.trace}", profiles) else 0
+
+
+def _read_profiles(profile_dir: str | None, perfetto: str | None) -> list[WorkerProfile] | None:
+    """The worker profiles to merge into ``--perfetto`` (``None``: no ``--profile``)."""
+    if profile_dir is None:
+        return None
+    if perfetto is None:
+        raise CommandError("--profile DIR goes with --perfetto OUT.json (it merges into it)")
+    try:
+        return read_profiles(profile_dir)
+    except ProfileMergeError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def _audit_replay(args: argparse.Namespace) -> int:
@@ -311,18 +332,28 @@ def cmd_hunt(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_audit(events: list[TraceEvent], perfetto: str | None, where: str) -> int:
-    """Print each violation with its events and a summary (and write ``perfetto``);
-    return the number of violations."""
+def _report_audit(
+    events: list[TraceEvent],
+    perfetto: str | None,
+    where: str,
+    profiles: list[WorkerProfile] | None = None,
+) -> int:
+    """Print each violation with its events and a summary (and write ``perfetto``,
+    merged with the worker ``profiles`` when given); return the number of violations."""
     from diffusion_runtime.fsm.audit import audit_events
 
     violations = audit_events(events)
     if perfetto is not None:
         from diffusion_runtime.fsm.perfetto import chrome_trace
 
+        document = (
+            chrome_trace(events, violations)
+            if profiles is None
+            else merged_trace(events, violations, profiles)
+        )
         try:
             with open(perfetto, "w", encoding="utf-8") as out:
-                json.dump(chrome_trace(events, violations), out)
+                json.dump(document, out)
         except OSError as exc:
             raise CommandError(f"cannot write {perfetto!r}: {exc.strerror}") from None
     for violation in violations:
@@ -451,6 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--perfetto",
         metavar="OUT.json",
         help="also write the trace as Chrome trace-event JSON (open it in ui.perfetto.dev)",
+    )
+    audit.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="with --perfetto: merge the workers' torch.profiler traces in DIR "
+        "(start_profile/stop_profile) into it, on the trace's clock",
     )
     audit.set_defaults(func=cmd_audit)
 

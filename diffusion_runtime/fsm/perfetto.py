@@ -17,20 +17,30 @@ REQUESTS_PID = 1
 WAVES_PID = 2
 
 
+def trace_origin(events: Iterable[TraceEvent]) -> float:
+    """The time of the earliest event (``0.0`` for none): the trace's zero."""
+    return min((e.time for e in events), default=0.0)
+
+
 def chrome_trace(
-    events: Iterable[TraceEvent], violations: Iterable[Violation] = ()
+    events: Iterable[TraceEvent],
+    violations: Iterable[Violation] = (),
+    *,
+    origin: float | None = None,
 ) -> dict[str, Any]:
-    """The ``{"traceEvents": [...]}`` document of ``events`` and the ``violations`` in them."""
+    """The ``{"traceEvents": [...]}`` document of ``events`` and the ``violations`` in them;
+    timestamps count microseconds from ``origin`` (default: :func:`trace_origin`)."""
     events = list(events)
-    origin = min((e.time for e in events), default=0.0)
+    if origin is None:
+        origin = trace_origin(events)
 
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 3)
 
     out: list[dict[str, Any]] = [
-        _name(REQUESTS_PID, None, "process_name", "requests"),
-        _name(WAVES_PID, None, "process_name", "waves"),
-        _name(WAVES_PID, 0, "thread_name", "waves"),
+        metadata_event(REQUESTS_PID, None, "process_name", "requests"),
+        metadata_event(WAVES_PID, None, "process_name", "waves"),
+        metadata_event(WAVES_PID, 0, "thread_name", "waves"),
     ]
     tracks: dict[str, int] = {}
     open_state: dict[str, LifecycleEvent] = {}
@@ -40,7 +50,7 @@ def chrome_trace(
     def track(rid: str) -> int:
         if rid not in tracks:
             tracks[rid] = len(tracks) + 1
-            out.append(_name(REQUESTS_PID, tracks[rid], "thread_name", rid))
+            out.append(metadata_event(REQUESTS_PID, tracks[rid], "thread_name", rid))
         return tracks[rid]
 
     def close_state(rid: str, until: float) -> None:
@@ -77,7 +87,8 @@ def chrome_trace(
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
-def _name(pid: int, tid: int | None, kind: str, name: str) -> dict[str, Any]:
+def metadata_event(pid: int, tid: int | None, kind: str, name: str) -> dict[str, Any]:
+    """A ``ph: M`` record naming a process (``process_name``) or a thread."""
     record: dict[str, Any] = {"ph": "M", "pid": pid, "name": kind, "args": {"name": name}}
     if tid is not None:
         record["tid"] = tid

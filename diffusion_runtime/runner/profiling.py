@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 from pathlib import Path
 
 import torch
 from torch._C._profiler import _ExperimentalConfig
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from diffusion_runtime.errors import ProfilingError
+from diffusion_runtime.fsm.profile_merge import clock_mark
 
 #: A prefix is one plain file-name part, so no caller can write outside ``profile_dir``.
 _PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -36,7 +39,9 @@ class WorkerProfiler:
 
     The session records every thread of the process: an in-process worker runs
     on whichever thread drives the engine (the caller of ``generate``, or the
-    loop thread), which may not be the thread that started the profile.
+    loop thread), which may not be the thread that started the profile. The
+    trace holds one slice named by :func:`~diffusion_runtime.fsm.profile_merge.clock_mark`
+    (what aligns it with the lifecycle trace), and one slice per wave, ``wave <id>``.
     """
 
     def __init__(self, profile_dir: str | None, rank: int, device: torch.device) -> None:
@@ -66,8 +71,17 @@ class WorkerProfiler:
             experimental_config=_ExperimentalConfig(profile_all_threads=True),
         )
         session.start()
+        wall_ns, monotonic_ns = time.time_ns(), time.monotonic_ns()
+        with record_function(clock_mark(wall_ns, monotonic_ns)):
+            pass
         self._session, self._path = session, path
         return str(path)
+
+    def wave(self, wave_id: int) -> contextlib.AbstractContextManager[object]:
+        """While profiling, a slice ``wave <id>`` around the wave's work; else nothing."""
+        if self._session is None:
+            return contextlib.nullcontext()
+        return record_function(f"wave {wave_id}")
 
     def stop(self) -> str:
         """Stop profiling and write the trace; returns its path."""

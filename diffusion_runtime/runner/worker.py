@@ -187,9 +187,10 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         if self.sleeper.is_sleeping and scheduler_output.has_work:
             raise SleepStateError(f"worker {self.rank} is asleep: it runs no wave")
-        if self.adapters is not None:
-            self.adapters.activate(self._adapters_of(scheduler_output))
-        return self.runner.execute_model(scheduler_output)
+        with self.profiler.wave(scheduler_output.wave_id):
+            if self.adapters is not None:
+                self.adapters.activate(self._adapters_of(scheduler_output))
+            return self.runner.execute_model(scheduler_output)
 
     def cached_request_ids(self) -> list[str]:
         return self.runner.cached_request_ids()
