@@ -29,7 +29,9 @@ from diffusion_runtime import (
 )
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.errors import EngineDeadError, InvalidFieldError
+from diffusion_runtime.fsm.audit import audit_events
 from diffusion_runtime.fsm.events import EngineEvent, TraceEvent, WaveEvent
+from diffusion_runtime.fsm.trace import read_trace
 from diffusion_runtime.pipelines.digits.pipeline import DigitsPipeline
 from diffusion_runtime.pipelines.protocols import PipelineRequest
 from diffusion_runtime.runner.model_runner import ModelRunner
@@ -159,6 +161,41 @@ def test_an_abort_while_asleep_ends_a_running_request_and_frees_its_state() -> N
 
 
 # -- requests while asleep ------------------------------------------------------------
+
+
+def test_a_recorded_trace_of_a_sleep_audits_clean_and_a_wave_while_asleep_is_inv_012(
+    tmp_path: Path,
+) -> None:
+    """The trace of an abort while asleep (its release wave runs nothing) audits clean;
+    the same trace with a wave of the running request moved inside the sleep does not."""
+    trace = tmp_path / "sleep.jsonl"
+    params = SamplingParams(num_inference_steps=4, seed=2)
+    core = EngineCore(config(execution_mode="step", trace_path=str(trace)))
+    try:
+        core.add_request("kept", "3", params, 2)
+        core.add_request("aborted", "4", params, 3)
+        core.step()
+        core.sleep(2)
+        core.abort(["aborted"])
+        core.step()
+        core.wake_up()
+        run_to_end(core)
+    finally:
+        core.shutdown()
+    events = list(read_trace(trace))
+    assert audit_events(events) == []
+    states = [e.state if isinstance(e, EngineEvent) else None for e in events]
+    asleep = states.index("sleeping")
+    first_wave_after = next(
+        i
+        for i, e in enumerate(events)
+        if i > asleep and isinstance(e, WaveEvent) and e.scheduled_ids
+    )
+    wave = events.pop(first_wave_after)
+    assert isinstance(wave, WaveEvent)
+    events.insert(asleep + 1, wave)  # the wave now comes between sleeping and awake
+    [violation] = [v for v in audit_events(events) if v.invariant == "INV-012"]
+    assert f"wave {wave.wave_id} scheduled ['kept']" in violation.message
 
 
 @pytest.mark.parametrize("backend", ["uni", "mp"])
