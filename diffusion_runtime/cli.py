@@ -382,6 +382,7 @@ BENCHMARKS = {
     "slo": "diffusion_runtime.bench.slo:run",
     "offload": "diffusion_runtime.bench.offload:run",
     "lora": "diffusion_runtime.bench.lora:run",
+    "sleep": "diffusion_runtime.bench.sleep:run",
 }
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: the suite on CUDA, then the GPU benchmark, in under 8 minutes.
+# The GPU check: the suite on CUDA, then the GPU and sleep benchmarks, in under 9 minutes.
 #
 # For a machine with CUDA torch (Python 3.12) and no package registry. Prepare
 # the wheelhouse first, on a machine with a registry (see docs/gpu.md):
@@ -13,11 +13,14 @@
 # Phases, each with its own time limit: install the carried wheels and the
 # project into $SITE; (a) the suite with --device cuda (CI hypothesis profile)
 # and the stateful harness again with the thorough profile; (b) the GPU
-# benchmark (`diffusion-runtime bench gpu`); (c) a summary. Under $OUT:
-# gpu-check.log (everything printed), summary.json (each phase's exit status
-# and seconds, the benchmark's headline ratios), bench-gpu.json, suite.xml and
-# stateful.xml (JUnit), nvidia-smi.txt. The exit status is 0 only if every
-# phase passed.
+# benchmark (`diffusion-runtime bench gpu`); (c) the sleep benchmark on CUDA
+# (`bench sleep`: device memory before the engine, loaded and asleep, at both
+# levels); (d) a summary. Under $OUT: gpu-check.log (everything printed),
+# summary.json (each phase's exit status and seconds, the benchmark's headline
+# ratios, the sleep memory figures), bench-gpu.json, bench-sleep.json, suite.xml
+# and stateful.xml (JUnit), nvidia-smi.txt. The exit status is 0 only if every
+# phase passed and a level-2 sleep left the device within 5% of the weights above
+# the pre-load baseline.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-check-out}
@@ -63,8 +66,13 @@ bench_to_json() {
     "$python" -m diffusion_runtime.cli bench gpu >"$out/bench-gpu.json"
 }
 
+sleep_to_json() {
+    "$python" -c 'import json; from diffusion_runtime.bench.sleep import run
+print(json.dumps(run(rounds=3, device="cuda"), indent=2))' >"$out/bench-sleep.json"
+}
+
 export python site wheels out
-export -f install_wheels bench_to_json
+export -f install_wheels bench_to_json sleep_to_json
 
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed (see nvidia-smi.txt)"
 if phase install 60 bash -c install_wheels; then
@@ -75,6 +83,7 @@ if phase install 60 bash -c install_wheels; then
         -p no:cacheprovider --device cuda --junitxml="$out/stateful.xml" \
         tests/test_engine_stateful.py
     phase bench 110 bash -c bench_to_json
+    phase sleep 60 bash -c sleep_to_json
 fi
 
 printf '%s\n' "${phases[@]}" | "$python" -c '
@@ -87,7 +96,7 @@ for line in sys.stdin.read().split("\n"):
         phases[name] = {"exit": int(status), "seconds": int(seconds),
                         "timed_out": status in ("124", "137")}
 summary = {"phases": phases, "total_seconds": now - started,
-           "passed": len(phases) == 4 and all(p["exit"] == 0 for p in phases.values())}
+           "passed": len(phases) == 5 and all(p["exit"] == 0 for p in phases.values())}
 try:
     bench = json.load(open(f"{out}/bench-gpu.json"))
     summary["device"] = bench["device"]
@@ -97,6 +106,15 @@ try:
         b: row["engine_over_direct"] for b, row in bench["digits"].items()}
 except (OSError, ValueError, KeyError) as exc:
     summary["bench_error"] = repr(exc)
+try:
+    sleep = json.load(open(f"{out}/bench-sleep.json"))
+    summary["sleep"] = {level: {k: sleep[level][k] for k in (
+        "sleep_ms", "wake_ms", "first_after_wake_over_warm", "device_bytes",
+        "asleep_within_5pct_of_baseline")} for level in ("level_1", "level_2")}
+    summary["passed"] = summary["passed"] and sleep["level_2"]["asleep_within_5pct_of_baseline"]
+except (OSError, ValueError, KeyError) as exc:
+    summary["sleep_error"] = repr(exc)
+    summary["passed"] = False
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 print(json.dumps(summary, indent=2))
 sys.exit(0 if summary["passed"] else 1)
