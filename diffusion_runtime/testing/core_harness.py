@@ -688,7 +688,8 @@ class CoreLifecycleMachine(SleepRules):
             self.reach.note(f"path: a wave producing several requests' images{self.variant}")
         elif isinstance(event, WaveEvent):
             during_wave, self._during_wave = self._during_wave, None
-            if during_wave is not None:
+            # Asleep, a step's only wave releases finished ids as it ends: none runs.
+            if during_wave is not None and self.asleep_at is None:
                 during_wave()
             self.last_wave_ids = event.scheduled_ids
             self.latest_wave_id = event.wave_id

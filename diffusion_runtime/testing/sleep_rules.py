@@ -54,14 +54,11 @@ class SleepRules(HarnessRoot):
     @rule(data=st.data())
     def sleep(self, data: st.DataObject) -> None:
         """Sleep between two steps, with whatever is queued, waiting, running or
-        preempted; the core sleeps until a rule wakes it."""
+        preempted. Either the core sleeps until a rule wakes it, or (a nap) it
+        steps while asleep (nothing runs), wakes, and steps on."""
         self._sleep(data.draw(st.sampled_from(self.sleep_levels), label="sleep level"))
-
-    @precondition(lambda self: self._can_sleep)
-    @rule(data=st.data())
-    def nap(self, data: st.DataObject) -> None:
-        """Sleep, step while asleep (nothing runs), wake, and step on."""
-        self._sleep(data.draw(st.sampled_from(self.sleep_levels), label="sleep level"))
+        if not data.draw(st.booleans(), label="nap"):
+            return
         for _ in range(data.draw(st.integers(0, 2), label="steps asleep")):
             self._step()
         if not (self.closed or self.dead):
