@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import gc
 import os
 import random
 import threading
@@ -13,6 +12,7 @@ import torch
 from hypothesis import settings
 
 from diffusion_runtime import DiffusionEngine, EngineConfig
+from diffusion_runtime.bench.device_memory import device_memory_in_use
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.scheduler import BaseScheduler
 from diffusion_runtime.testing.leaks import child_pids  # noqa: F401  (tests import it from here)
@@ -78,19 +78,6 @@ def device_memory_returns_to_baseline() -> Iterator[None]:
     before = device_memory_in_use()
     yield
     assert_device_memory_at(before)
-
-
-def device_memory_in_use() -> tuple[int, int]:
-    """``(bytes allocated by this process's tensors, bytes in use on the device)``."""
-    gc.collect()
-    torch.cuda.synchronize()
-    # cuBLAS keeps a workspace per thread and stream, allocated like a tensor.
-    clear_cublas_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear_cublas_workspaces is not None:
-        clear_cublas_workspaces()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    return torch.cuda.memory_allocated(), total - free
 
 
 def assert_device_memory_at(baseline: tuple[int, int]) -> None:

@@ -22,8 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from diffusion_runtime.bench.device_memory import device_memory_in_use
 from diffusion_runtime.bench.stats import Stopwatch
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
@@ -123,12 +122,5 @@ def _rss_bytes() -> int:
 
 
 def _device_bytes() -> int:
-    """Bytes this process's tensors hold on the CUDA device, caches emptied."""
-    gc.collect()
-    torch.cuda.synchronize()
-    # cuBLAS keeps a workspace per thread and stream, allocated like a tensor.
-    clear_cublas_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear_cublas_workspaces is not None:
-        clear_cublas_workspaces()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated()
+    """Bytes this process's tensors hold on the CUDA device."""
+    return device_memory_in_use()[0]
