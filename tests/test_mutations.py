@@ -90,6 +90,10 @@ FAST_SUBSET = {
     "in-use-adapter-evicted",
     "pin-ignored-by-eviction",
     "in-use-adapter-removed",
+    "wave-while-asleep",
+    "level-2-reload-in-float64",
+    "level-2-keeps-buffers",
+    "waiting-dropped-at-sleep",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -111,6 +115,18 @@ REQUIRED_REACH = {
         "example: copies held in flight": 50,
         "path: the core waited on a copy in flight": 80,
         "path: a copy landed before the core waited on it": 15,
+        # The sleep rules (testing/sleep_rules.py).
+        "rule: sleep at level 1": 25,
+        "rule: sleep at level 2": 15,
+        "rule: wake": 20,
+        "path: sleep with a queued request": 15,
+        "path: sleep with a WAITING request": 10,
+        "path: admitted while asleep": 100,
+        "path: a WAITING request aborted while asleep": 30,
+        "path: woke with requests waiting": 15,
+        "path: a request that slept completed": 15,
+        "path: closed while asleep": 8,
+        "path: woken for the end": 5,
     },
     "step": {
         "rule: abort a RUNNING request": 5,
@@ -121,6 +137,8 @@ REQUIRED_REACH = {
         "path: a wave mixing 'fail' and good requests, batched_steps=True": 2,
         "path: a wave mixing 'device-fault' and good requests, batched_steps=True": 1,
         "path: a wave producing several requests' images, batched_steps=True": 15,
+        "path: sleep with a RUNNING request": 10,
+        "path: a RUNNING request aborted while asleep": 5,
     },
     "mp": {"path: RPC timed out": 1, "path: RPC answered": 3},
     "user-scheduler": {
@@ -140,6 +158,8 @@ REQUIRED_REACH = {
         "path: resumed from host memory": 5,
         "rule: preempt in turns": 50,
         "path: resumed before a request preempted earlier": 50,
+        "path: sleep with a PREEMPTED request": 15,
+        "path: a PREEMPTED request aborted while asleep": 5,
     },
     "deadline-slo-drop": {
         "path: a RUNNING request reached its deadline": 10,
