@@ -25,6 +25,7 @@ import hypothesis.strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
 from diffusion_runtime.core import EngineCore, EngineState, StepResult
+from diffusion_runtime.errors import PipelineContractError
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
 from diffusion_runtime.fsm.events import EngineEvent, TraceEvent
 from diffusion_runtime.testing.harness_root import HarnessRoot
@@ -56,8 +57,8 @@ class SleepRules(HarnessRoot):
         """Sleep between two steps, with whatever is queued, waiting, running or
         preempted. Either the core sleeps until a rule wakes it, or (a nap) it
         steps while asleep (nothing runs), wakes, and steps on."""
-        self._sleep(data.draw(st.sampled_from(self.sleep_levels), label="sleep level"))
-        if not data.draw(st.booleans(), label="nap"):
+        slept = self._sleep(data.draw(st.sampled_from(self.sleep_levels), label="sleep level"))
+        if not (slept and data.draw(st.booleans(), label="nap")):
             return
         for _ in range(data.draw(st.integers(0, 2), label="steps asleep")):
             self._step()
@@ -65,16 +66,26 @@ class SleepRules(HarnessRoot):
             self.wake()
             self._step()
 
-    def _sleep(self, level: int) -> None:
+    def _sleep(self, level: int) -> bool:
+        """Sleep at ``level``; False if the pipeline refused level 2, as one with no
+        ``reload_weights`` must (the core then stays awake)."""
         active = {rid for rid, state in self.states.items() if state not in TERMINAL_STATES}
+        try:
+            self.core.sleep(level)
+        except PipelineContractError:
+            if level != 2 or callable(getattr(self.oracle.pipeline, "reload_weights", None)):
+                raise
+            assert not self.core.is_sleeping, "a refused sleep left the core asleep"
+            self.reach.note("path: level 2 refused (no reload_weights)")
+            return False
         for state in sorted({self.states[rid].name for rid in active}):
             self.reach.note(f"path: sleep with a {state} request")
         if self.queued:
             self.reach.note("path: sleep with a queued request")
-        self.core.sleep(level)
         self.slept = active | self.queued
         assert self.core.state is EngineState.SLEEPING and self.core.is_sleeping
         self.reach.note(f"rule: sleep at level {level}")
+        return True
 
     @precondition(lambda self: not self.closed and not self.dead and self.core.is_sleeping)
     @rule()
