@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import hypothesis.strategies as st
 import pytest
 import torch
 from conftest import device_memory_in_use, factory_of, suite_device, suite_device_index
@@ -38,6 +39,8 @@ from diffusion_runtime.runner.model_runner import ModelRunner
 from diffusion_runtime.runner.sleep import WorkerSleep
 from diffusion_runtime.runner.weights import device_weight_bytes, weight_modules
 from diffusion_runtime.stage import StageClient
+from diffusion_runtime.testing.core_harness import core_lifecycle_machine
+from diffusion_runtime.testing.mutations import passes
 from diffusion_runtime.testing.pipelines import SeededNoisePipeline
 
 PARAMS = (
@@ -492,3 +495,16 @@ def test_a_diffusers_pipeline_without_a_source_sleeps_at_level_1_only(
         engine.sleep(2)
     engine.sleep(1)
     engine.wake_up()
+
+
+def test_the_core_harness_accepts_a_refused_level_2_and_sleeps_at_level_1() -> None:
+    """A pipeline with weights and no ``reload_weights`` must refuse level 2: the
+    harness's sleep rule takes the refusal (the core stays awake) and sleeps at level 1."""
+    machine = core_lifecycle_machine(
+        lambda: EngineConfig(pipeline=WeightedNoisePipeline, device="cpu", warmup=False),
+        prompts=st.sampled_from(["a", "b"]),
+    )
+    passes(machine, max_examples=40)
+    reach = machine.reach
+    assert reach.counts["path: level 2 refused (no reload_weights)"] > 0, reach.table()
+    assert reach.counts["rule: sleep at level 1"] > 0, reach.table()
