@@ -975,5 +975,6 @@ def _fingerprint(request: Request) -> str:
         p.width,
         sorted((k, repr(v)) for k, v in p.extra_args.items()),
         *(() if p.lora is None else (repr(p.lora),)),
+        *(() if p.decodes else ("latent",)),
     )
     return hashlib.blake2b(repr(inputs).encode(), digest_size=12).hexdigest()

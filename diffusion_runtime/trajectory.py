@@ -12,6 +12,8 @@ state's trajectory in a :class:`TrajectoryRecorder`; a pipeline's request-mode
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
 
@@ -65,3 +67,12 @@ class SampledOutput:
 
     output: torch.Tensor
     trajectory: TrajectoryTensors | None = None
+
+
+def gaussian_log_density(sample: torch.Tensor, mean: torch.Tensor, sigma: float) -> torch.Tensor:
+    """The log-density of ``sample`` under N(``mean``, ``sigma``² I), summed over each
+    row's elements (one value per row), in float64: what a stochastic step that drew
+    ``sample = mean + sigma * noise`` reports as its ``step_log_prob``."""
+    diff = (sample.double() - mean.double()).flatten(1)
+    per_element = diff.square() / (-2 * sigma**2) - math.log(sigma) - 0.5 * math.log(2 * math.pi)
+    return per_element.sum(dim=1)

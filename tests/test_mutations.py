@@ -20,6 +20,7 @@ from diffusion_runtime.testing.targets import (
     deadline_harness,
     harness_for,
     lora_harness,
+    outputs_harness,
     patient_harness,
     preempt_harness,
     stage_harness,
@@ -50,6 +51,8 @@ PATIENT_EXAMPLES = 1500
 CATCH_EXAMPLES = 500
 #: Examples for each passing run of the adapter target (digits, about 0.4 s each).
 LORA_EXAMPLES = 100
+#: The outputs target's passing run (each example's oracle steps every request alone).
+OUTPUTS_EXAMPLES = 60
 
 FAST_SUBSET = {
     "results-by-position",
@@ -94,6 +97,8 @@ FAST_SUBSET = {
     "level-2-reload-in-float64",
     "level-2-keeps-buffers",
     "waiting-dropped-at-sleep",
+    "trajectory-last-step-dropped",
+    "trajectory-of-a-batch-mate",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -196,6 +201,15 @@ REQUIRED_REACH = {
         "path: an aged request ran first": 30,
         "path: a late request completed": 30,
     },
+    "outputs": {
+        "output: latents": 50,
+        "output: a trajectory (latents)": 40,
+        "output: a trajectory (full)": 40,
+        "output: log-probabilities of stochastic steps": 20,
+    },
+    "outputs-step": {
+        "output: a preempted request's trajectory": 30,
+    },
     "lora": {
         "adapter: add_lora loaded": 50,
         "adapter: add_lora refused, no room": 10,
@@ -265,6 +279,16 @@ def passes_and_reaches(
     print(reach.table())
     assert not reach.missing(required), f"paths reached too rarely: {reach.missing(required)}"
     assert engine_threads() == []
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_real_runtime_returns_latents_and_trajectories_as_the_oracle(mode: str) -> None:
+    """The outputs target: every drawn latent output and trajectory (with its
+    log-probabilities) equals the one the oracle records stepping alone."""
+    required = dict(REQUIRED_REACH["outputs"])
+    if mode == "step":
+        required.update(REQUIRED_REACH["outputs-step"])
+    passes_and_reaches(outputs_harness(mode), OUTPUTS_EXAMPLES, required)
 
 
 @pytest.mark.parametrize("mode", ["request", "step"])

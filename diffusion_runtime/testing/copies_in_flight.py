@@ -3,7 +3,8 @@
 On the CPU every wave's fence is ready at once: a core that delivered an output
 before its copy landed, or dropped copies still in flight, would pass any test.
 :class:`CopiesInFlight` wraps an executor's ``execute``: while
-:attr:`~CopiesInFlight.hold` is set, each result with images or previews gets a
+:attr:`~CopiesInFlight.hold` is set, each result with tensors (images, previews,
+latents, trajectories) gets a
 :class:`HeldCopy` fence, and its tensors read NaN (as a copy still being written
 would) until the copy completes: when the harness lands it, or when the core
 waits on its fence (as a real device copy would complete under ``wait``).
@@ -71,7 +72,7 @@ class CopiesInFlight:
 
     def __call__(self, output: SchedulerOutput) -> RunnerOutput:
         result = self.execute(output)
-        tensors = [*result.images.values(), *result.previews.values()]
+        tensors = [t for by_id in result.tensor_fields().values() for t in by_id.values()]
         if not (self.hold and tensors and result.output_ready is READY):
             return result
         copy = HeldCopy(tensors, frozenset(result.progress), self._count_wait)

@@ -63,6 +63,7 @@ from diffusion_runtime.testing.harness_root import configured
 from diffusion_runtime.testing.oracle import FailureScope
 from diffusion_runtime.testing.probes import PROBE_PATH
 from diffusion_runtime.testing.sleep_rules import SleepRules
+from diffusion_runtime.trajectory import SampledOutput
 
 
 @attrs.define
@@ -145,7 +146,7 @@ class CoreLifecycleMachine(SleepRules):
         self._rpc_calls = 0
         self._next_id = 0
         #: Direct outputs computed before shutdown for requests it delivers completed.
-        self._expected_at_shutdown: dict[str, torch.Tensor | None] = {}
+        self._expected_at_shutdown: dict[str, torch.Tensor | SampledOutput | None] = {}
         #: Ids now preempted, with the order they were preempted in.
         self._preempted_order: dict[str, int] = {}
         #: States brought back from host memory so far (``preempted_offload_bytes``).
@@ -524,7 +525,7 @@ class CoreLifecycleMachine(SleepRules):
         which the oracle may share."""
         for rid, record in self.records.items():
             if self.states.get(rid) is RequestStatus.FINISHED_COMPLETED and record.final is None:
-                self._expected_at_shutdown[rid] = self.oracle.images(
+                self._expected_at_shutdown[rid] = self.expected_output(
                     record.prompt, record.params, record.seed
                 )
 
@@ -636,9 +637,16 @@ class CoreLifecycleMachine(SleepRules):
         for output in outputs:
             record = self.records.get(output.request_id)
             assert record is not None, f"an output for an id never admitted: {output}"
-            assert not self.copies.carries(output.image_batch), (
+            trajectory = output.trajectory
+            carried = (
+                output.image_batch,
+                output.latents,
+                None if trajectory is None else trajectory.latents,
+                None if trajectory is None else trajectory.log_probs,
+            )
+            assert not any(self.copies.carries(tensor) for tensor in carried), (
                 f"{output.request_id!r}: an output delivered while its copy was in flight "
-                "(its images were not in host memory yet)"
+                "(its tensors were not in host memory yet)"
             )
             if not output.finished:
                 assert output.status is RequestStatus.RUNNING, output
@@ -667,6 +675,8 @@ class CoreLifecycleMachine(SleepRules):
                     self.check_against_the_pipeline(*args)
                 if record.preempted:
                     self.reach.note("path: a preempted request completed as the oracle")
+                    if output.trajectory is not None:
+                        self.reach.note("output: a preempted request's trajectory")
 
     def _record(self, event: TraceEvent) -> None:
         super()._record(event)

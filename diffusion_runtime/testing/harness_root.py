@@ -35,6 +35,7 @@ from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.testing.oracle import DirectOracle
 from diffusion_runtime.testing.reach import Reach
 from diffusion_runtime.testing.strategies import sampling_params
+from diffusion_runtime.trajectory import SampledOutput
 
 #: How many seed-dependence checks one example makes (each is two direct forwards).
 SEED_CHECKS_PER_EXAMPLE = 2
@@ -116,13 +117,23 @@ class HarnessRoot(RuleBasedStateMachine):
 
     @staticmethod
     def check_image_count(output: RequestOutput, params: SamplingParams) -> None:
-        """A completed output has the images its request asked for."""
+        """A completed output has the images (or latents) its request asked for."""
         count = params.num_outputs_per_prompt
-        images = output.image_batch
-        got = None if images is None else tuple(images.shape)
-        assert images is not None and images.shape[0] == count, (
-            f"{output.request_id!r} completed with images {got}; it asked for {count}"
+        produced = output.image_batch if params.decodes else output.latents
+        got = None if produced is None else tuple(produced.shape)
+        what = "images" if params.decodes else "latents"
+        assert produced is not None and produced.shape[0] == count, (
+            f"{output.request_id!r} completed with {what} {got}; it asked for {count}"
         )
+
+    def expected_output(
+        self, prompt: Any, params: SamplingParams, seed: int
+    ) -> torch.Tensor | SampledOutput | None:
+        """The pipeline's own output for a request, run directly now: its images, or
+        with what it asked for besides (``None``: the pipeline alone fails it)."""
+        if params.decodes and not params.return_trajectory:
+            return self.oracle.images(prompt, params, seed)
+        return self.oracle.sampled(prompt, params, seed)
 
     def check_against_the_pipeline(
         self, output: RequestOutput, prompt: Any, params: SamplingParams, seed: int
@@ -130,13 +141,14 @@ class HarnessRoot(RuleBasedStateMachine):
         """A completed output equals the pipeline's own output, called directly now,
         and another seed gives other images."""
         self.check_against_expected(
-            output, prompt, params, seed, self.oracle.images(prompt, params, seed)
+            output, prompt, params, seed, self.expected_output(prompt, params, seed)
         )
         if not self.oracle.seed_free and self.seed_checks < SEED_CHECKS_PER_EXAMPLE:
             self.seed_checks += 1
-            other = self.oracle.images(prompt, params, seed + 1)
-            assert output.image_batch is not None
-            assert other is None or not torch.equal(other, output.image_batch), (
+            other = _main_tensor(self.expected_output(prompt, params, seed + 1))
+            mine = output.image_batch if params.decodes else output.latents
+            assert mine is not None
+            assert other is None or not torch.equal(other, mine), (
                 f"the pipeline ignores the seed: prompt {prompt!r} gave equal "
                 f"images with seeds {seed} and {seed + 1} "
                 "(declare seed_free = True on a pipeline that means to)"
@@ -152,18 +164,61 @@ class HarnessRoot(RuleBasedStateMachine):
         prompt: Any,
         params: SamplingParams,
         seed: int,
-        expected: torch.Tensor | None,
+        expected: torch.Tensor | SampledOutput | None,
     ) -> None:
         """A completed output equals ``expected``, the pipeline's own output for its
-        request (``None``: the pipeline alone failed it)."""
-        assert output.image_batch is not None
+        request (``None``: the pipeline alone failed it): its images or latents, as
+        it asked, and its trajectory when it asked for one."""
+        rid = output.request_id
         assert expected is not None, (
-            f"{output.request_id!r} completed, but the pipeline alone fails prompt {prompt!r}"
+            f"{rid!r} completed, but the pipeline alone fails prompt {prompt!r}"
         )
-        assert self.oracle.matches(expected, output.image_batch, self.tolerance_for(params)), (
-            f"{output.request_id!r}: output differs from the pipeline run directly "
-            f"(prompt {prompt!r}, {params}, seed {seed})"
+        produced, other = (output.image_batch, output.latents)
+        if not params.decodes:
+            produced, other = other, produced
+        assert produced is not None and other is None, (
+            f"{rid!r} asked for output_type {params.output_type!r}; it got "
+            f"images {output.image_batch is not None}, latents {output.latents is not None}"
         )
+        tolerance = self.tolerance_for(params)
+        where = f"(prompt {prompt!r}, {params}, seed {seed})"
+        want = _main_tensor(expected)
+        assert want is not None and self.oracle.matches(want, produced, tolerance), (
+            f"{rid!r}: output differs from the pipeline run directly {where}"
+        )
+        sampled = expected if isinstance(expected, SampledOutput) else None
+        wanted = None if sampled is None else sampled.trajectory
+        got = output.trajectory
+        assert (got is None) == (wanted is None), (
+            f"{rid!r}: return_trajectory is {params.return_trajectory!r}, yet its output "
+            f"{'has no' if got is None else 'has a'} trajectory"
+        )
+        if not params.decodes:
+            self.reach.note("output: latents")
+        if got is None or wanted is None:
+            return
+        self.reach.note(f"output: a trajectory ({params.return_trajectory})")
+        if got.log_probs is not None:
+            self.reach.note("output: log-probabilities of stochastic steps")
+        steps = (got.timesteps, got.log_prob_steps)
+        assert steps == (wanted.timesteps, wanted.log_prob_steps), (
+            f"{rid!r}: trajectory timesteps and log-prob steps {steps} differ from the "
+            f"direct run's {(wanted.timesteps, wanted.log_prob_steps)} {where}"
+        )
+        assert self.oracle.matches(wanted.latents, got.latents, tolerance), (
+            f"{rid!r}: trajectory latents differ from the direct run's {where}"
+        )
+        log_probs = (wanted.log_probs, got.log_probs)
+        assert (log_probs[0] is None) == (log_probs[1] is None) and (
+            log_probs[0] is None
+            or log_probs[1] is None
+            or self.oracle.matches(log_probs[0], log_probs[1], tolerance)
+        ), f"{rid!r}: trajectory log-probabilities differ from the direct run's {where}"
+
+
+def _main_tensor(expected: torch.Tensor | SampledOutput | None) -> torch.Tensor | None:
+    """The images (or latents) of an expected output."""
+    return expected.output if isinstance(expected, SampledOutput) else expected
 
 
 def configured(

@@ -33,6 +33,7 @@ from diffusion_runtime.testing.gap_mutations import GAP_MUTATIONS
 from diffusion_runtime.testing.lora_mutations import LORA_MUTATIONS
 from diffusion_runtime.testing.mutation import Mutation as Mutation
 from diffusion_runtime.testing.mutation import Patch
+from diffusion_runtime.testing.output_mutations import OUTPUT_MUTATIONS
 from diffusion_runtime.testing.patching import replace_attribute as _replace
 from diffusion_runtime.testing.policy_mutations import POLICY_MUTATIONS
 from diffusion_runtime.testing.preemption_mutations import PREEMPTION_MUTATIONS
@@ -280,6 +281,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     *RUNNER_MUTATIONS,
     *LORA_MUTATIONS,
     *SLEEP_MUTATIONS,
+    *OUTPUT_MUTATIONS,
 )
 
 

@@ -15,6 +15,7 @@ from diffusion_runtime.pipelines.protocols import PipelineRequest, StepPipeline,
 from diffusion_runtime.pipelines.registry import build_pipeline
 from diffusion_runtime.runner.worker import worker_device
 from diffusion_runtime.sampling_params import SamplingParams
+from diffusion_runtime.trajectory import SampledOutput, TrajectoryTensors
 
 #: The request id of the oracle's direct calls.
 ORACLE_ID = "oracle"
@@ -68,6 +69,50 @@ class DirectOracle:
         if not isinstance(images, torch.Tensor):
             return None
         return images.detach().to("cpu")
+
+    def sampled(self, prompt: Any, params: SamplingParams, seed: int) -> SampledOutput | None:
+        """The request's output with what it asked for besides images (latents, a
+        trajectory), or ``None`` when the pipeline fails it alone. A step pipeline
+        runs one step at a time here, and this oracle records the trajectory itself,
+        so the runtime's recording cannot hide in both sides; another pipeline's
+        ``forward`` answers for itself."""
+        run = self._by_hand if callable(getattr(self.pipeline, "post_decode", None)) else None
+        try:
+            if run is not None:
+                return self._alone(prompt, params, seed, run)
+            produced = self._alone(
+                prompt, params, seed, lambda request: dict(self.pipeline.forward([request]))
+            ).get(ORACLE_ID)
+        except Exception:
+            return None
+        return produced if isinstance(produced, SampledOutput) else None
+
+    def _by_hand(self, request: PipelineRequest) -> SampledOutput:
+        pipeline = cast(StepPipeline, self.pipeline)
+        params = request.params
+        state = pipeline.prepare_encode(request)
+        latents = [state.latents.clone()]
+        log_probs: list[torch.Tensor] = []
+        log_prob_steps: list[int] = []
+        while not state.is_done:
+            step = state.step_index
+            [model_output] = pipeline.denoise_step([state])
+            pipeline.step_scheduler(state, model_output)
+            latents.append(state.latents.clone())
+            if params.return_trajectory == "full" and state.step_log_prob is not None:
+                log_probs.append(state.step_log_prob.clone())
+                log_prob_steps.append(step)
+            state.step_log_prob = None
+        output = pipeline.post_decode(state) if params.decodes else state.latents
+        trajectory = None
+        if params.return_trajectory:
+            trajectory = TrajectoryTensors(
+                torch.stack(latents).cpu(),
+                torch.stack(log_probs).cpu() if log_probs else None,
+                tuple(int(t) for t in state.timesteps),
+                tuple(log_prob_steps),
+            )
+        return SampledOutput(output.detach().cpu(), trajectory)
 
     def failure_scope(self, prompt: Any, params: SamplingParams, seed: int) -> FailureScope:
         """Whom the pipeline fails with this request, by the runner's rule: a raising

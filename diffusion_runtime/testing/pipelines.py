@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from diffusion_runtime.errors import DeviceFault
+from diffusion_runtime.errors import DeviceFault, InvalidFieldError
 from diffusion_runtime.pipelines.protocols import (
     PipelineRequest,
     StepRequestState,
     forward_by_steps,
 )
 from diffusion_runtime.sampling_params import SamplingParams
-from diffusion_runtime.trajectory import SampledOutput
+from diffusion_runtime.trajectory import SampledOutput, gaussian_log_density
 from diffusion_runtime.validation import fail
 
 MAX_SIZE = 256
@@ -30,10 +30,13 @@ MAX_SIZE = 256
 class SeededNoisePipeline:
     """A toy denoiser: seeded noise pulled step by step toward a pattern set by the prompt.
 
-    The output depends on the prompt, the seed, the step count and the
-    guidance scale, and on nothing else. It implements both the request-mode
-    and the step-mode contracts; ``forward`` runs the step methods, so both
-    modes give bit-identical images.
+    The output depends on the prompt, the seed, the step count, the guidance
+    scale and ``extra_args["noise"]``, and on nothing else. With that noise
+    ``s`` > 0 (at most 1), every step but the last adds ``s`` times standard
+    normal noise from the request's generator and reports its log-density
+    (``step_log_prob``), as a stochastic sampler does. It implements both the
+    request-mode and the step-mode contracts; ``forward`` runs the step
+    methods, so both modes give bit-identical images.
     """
 
     supports_request_batch = True
@@ -58,6 +61,7 @@ class SeededNoisePipeline:
             value = getattr(params, field)
             if value is not None and value > MAX_SIZE:
                 fail(self, field, f"must be at most {MAX_SIZE}", value)
+        noise_scale(params)
 
     def warmup_request(self) -> tuple[Any, SamplingParams]:
         return "warm-up", SamplingParams(num_inference_steps=1, seed=0)
@@ -89,7 +93,13 @@ class SeededNoisePipeline:
         return list(torch.split(pull, [s.latents.shape[0] for s in states]))
 
     def step_scheduler(self, state: StepRequestState, model_output: torch.Tensor) -> None:
-        state.latents = _pulled(state.latents, model_output, state.timesteps[state.step_index])
+        pulled = _pulled(state.latents, model_output, state.timesteps[state.step_index])
+        scale = noise_scale(state.request.params)
+        if _draws_noise(state, scale):
+            state.latents = torch.add(pulled, _step_noise(state), alpha=scale)
+            state.step_log_prob = gaussian_log_density(state.latents, pulled, scale)
+        else:
+            state.latents = pulled
         state.step_index += 1
 
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
@@ -172,18 +182,28 @@ class FaultInjectingPipeline(SeededNoisePipeline):
         """One step for every state: one denoiser call, then one scheduler step on the
         stacked latents of each group of states at the same timestep."""
         model_outputs = self.denoise_step(states)
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[int, float, bool], list[int]] = {}
         for i, state in enumerate(states):
             if "bad-step" in str(state.request.prompt):
                 continue  # its own step fails: it does not advance
-            groups.setdefault(state.timesteps[state.step_index], []).append(i)
-        for remaining, rows in groups.items():
+            scale = noise_scale(state.request.params)
+            key = (state.timesteps[state.step_index], scale, _draws_noise(state, scale))
+            groups.setdefault(key, []).append(i)
+        for (remaining, scale, noisy), rows in groups.items():
             latents = torch.cat([states[i].latents for i in rows])
             pull = torch.cat([model_outputs[i] for i in rows])
             stepped = _pulled(latents, pull, remaining)
-            parts = torch.split(stepped, [states[i].latents.shape[0] for i in rows])
-            for i, part in zip(rows, parts, strict=True):
+            sizes = [states[i].latents.shape[0] for i in rows]
+            log_probs: Sequence[torch.Tensor | None] = [None] * len(rows)
+            if noisy:  # each request's noise from its own generator, in row order
+                mean = stepped
+                noise = torch.cat([_step_noise(states[i]) for i in rows])
+                stepped = torch.add(mean, noise, alpha=scale)
+                log_probs = torch.split(gaussian_log_density(stepped, mean, scale), sizes)
+            parts = torch.split(stepped, sizes)
+            for i, part, log_prob in zip(rows, parts, log_probs, strict=True):
                 states[i].latents = part
+                states[i].step_log_prob = log_prob
                 states[i].step_index += 1
 
     def _post_decode_batch(self, states: Sequence[StepRequestState]) -> list[torch.Tensor]:
@@ -223,6 +243,25 @@ class PatternGain(torch.nn.Module):
     def forward(self, pattern: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return pattern * self.scale + self.offset
+
+
+def noise_scale(params: SamplingParams) -> float:
+    """The noise a testing pipeline's steps add (``extra_args["noise"]``, default 0), checked."""
+    scale = params.extra_args.get("noise", 0.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 <= scale <= 1:
+        rule = "must be a number in [0, 1]"
+        raise InvalidFieldError("SeededNoisePipeline", "extra_args['noise']", rule, scale)
+    return float(scale)
+
+
+def _draws_noise(state: StepRequestState, scale: float) -> bool:
+    """Whether the state's next step adds noise: every step but the last, when asked."""
+    return scale > 0 and state.step_index + 1 < state.num_steps
+
+
+def _step_noise(state: StepRequestState) -> torch.Tensor:
+    generator = state.request.generator
+    return torch.randn(state.latents.shape, generator=generator, device=generator.device)
 
 
 def _pulled(latents: torch.Tensor, pull: torch.Tensor, remaining: int) -> torch.Tensor:

@@ -8,6 +8,13 @@ import hypothesis.strategies as st
 
 from diffusion_runtime.sampling_params import SamplingParams
 
+#: What :func:`sampling_params` draws with ``output_options``.
+OUTPUT_OPTIONS: dict[str, st.SearchStrategy[Any]] = {
+    "output_type": st.sampled_from(["pil", "latent"]),
+    "return_trajectory": st.sampled_from([False, "latents", "full"]),
+    "extra_args": st.sampled_from([{}, {"noise": 0.5}]),
+}
+
 
 def sampling_params(
     *,
@@ -18,10 +25,13 @@ def sampling_params(
     seeds: st.SearchStrategy[int] | None = None,
     priorities: tuple[int, int] = (0, 0),
     deadlines: st.SearchStrategy[float | None] | None = None,
+    output_options: bool = False,
 ) -> st.SearchStrategy[SamplingParams]:
     """Valid, cheap sampling parameters with an explicit seed; ``priorities``
     bounds the drawn ``priority`` (a preemptive policy preempts on it) and
-    ``deadlines`` draws ``deadline_s`` (default: no deadline).
+    ``deadlines`` draws ``deadline_s`` (default: no deadline). With
+    ``output_options``, ``output_type`` and ``return_trajectory`` are drawn too,
+    and ``extra_args={"noise": ...}`` (the testing pipelines' stochastic steps).
 
     Small seed and step ranges make equal requests likely, which lets the
     identity checks compare outputs of equal inputs in different batches.
@@ -38,6 +48,7 @@ def sampling_params(
             width=st.just(size),
             priority=st.integers(*priorities),
             deadline_s=deadlines if deadlines is not None else st.none(),
+            **(OUTPUT_OPTIONS if output_options else {}),
         )
 
     return st.sampled_from(sizes or [None]).flatmap(with_size)

@@ -108,6 +108,27 @@ def preempt_harness() -> type[CoreLifecycleMachine]:
     )
 
 
+def outputs_harness(mode: str) -> type[CoreLifecycleMachine]:
+    """The core harness with output options drawn per request (latents, trajectories,
+    stochastic steps with log-probabilities): in step mode under the preemptive
+    priority policy with host offload, so trajectories resume mid-way; in request
+    mode in batched waves."""
+    policy, offload = ("priority", 16 * 2**10) if mode == "step" else ("fifo", 0)
+    return core_lifecycle_machine(
+        lambda: config(mode, policy=policy, preempted_offload_bytes=offload),
+        prompts=PROMPTS,
+        failing_prompts=FAILING_PROMPTS,
+        pipeline_options=st.fixed_dictionaries({"batched_steps": st.sampled_from([True, False])}),
+        params=sampling_params(
+            steps=(1, 3) if mode == "request" else (2, 6),
+            outputs=(1, 2),
+            guidance=[1.0, 2.0],
+            priorities=(0, 3) if mode == "step" else (0, 0),
+            output_options=True,
+        ),
+    )
+
+
 def user_scheduler_harness() -> type[CoreLifecycleMachine]:
     """The default core harness (no priority drawn) with a user's scheduler that
     preempts on priority: its own rules must make it preempt."""
@@ -244,8 +265,9 @@ def lockstep_harness(mode: str) -> type[EngineLifecycleMachine]:
 #: racing its loop), ``stage`` (a StageClient and its stage process) and
 #: ``user-scheduler`` (an EngineCore with a user's preempting ``scheduler_cls``,
 #: under the default core harness), ``lora`` (an EngineCore with LoRA adapters
-#: over the digits pipeline). The
-#: preemptive and deadline targets run in step mode whatever the mode.
+#: over the digits pipeline), ``outputs`` (an EngineCore serving latents and
+#: trajectories, preempting in step mode). The preemptive and deadline targets
+#: run in step mode whatever the mode.
 HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "core": core_harness,
     "mp": lambda mode: core_harness(mode, "mp"),
@@ -260,6 +282,7 @@ HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "lockstep": lockstep_harness,
     "stage": stage_harness,
     "lora": lora_harness,
+    "outputs": outputs_harness,
 }
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffusion_runtime.lora.layers import AdapterPlan, RowAdapters
+from diffusion_runtime.trajectory import gaussian_log_density
 
 IMAGE_SIZE = 8
 PIXELS = IMAGE_SIZE * IMAGE_SIZE
@@ -235,11 +236,3 @@ class DDIMScheduler:
         sample = torch.add(mean, noise, alpha=sigma)
         self.log_prob = gaussian_log_density(sample, mean, sigma)
         return sample
-
-
-def gaussian_log_density(sample: torch.Tensor, mean: torch.Tensor, sigma: float) -> torch.Tensor:
-    """The log-density of ``sample`` under N(``mean``, ``sigma``² I), summed over each
-    row's elements (one value per row), in float64."""
-    diff = (sample.double() - mean.double()).flatten(1)
-    per_element = diff.square() / (-2 * sigma**2) - math.log(sigma) - 0.5 * math.log(2 * math.pi)
-    return per_element.sum(dim=1)

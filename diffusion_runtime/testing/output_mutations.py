@@ -1,0 +1,88 @@
+"""Bugs in what a request gets back besides images (latents, trajectories and their
+log-probabilities), which the ``outputs`` target must catch: its oracle records each
+trajectory itself, one step at a time, outside the runtime's recorder."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from diffusion_runtime import core
+from diffusion_runtime.contracts import RunnerOutput
+from diffusion_runtime.pipelines.protocols import StepRequestState
+from diffusion_runtime.scheduler.request import Request
+from diffusion_runtime.testing.mutation import Mutation, Patch
+from diffusion_runtime.testing.patching import replace_attribute
+
+
+def last_step_not_recorded() -> Patch:
+    def make(original: Any) -> Any:
+        def record_step(self: StepRequestState) -> None:
+            if self.is_done:  # "the last latents are the output anyway"
+                self.step_log_prob = None
+                return
+            original(self)
+
+        return record_step
+
+    return replace_attribute(StepRequestState, "record_step", make)
+
+
+def log_prob_carried_over() -> Patch:
+    def make(original: Any) -> Any:
+        def record_step(self: StepRequestState) -> None:
+            kept = self.step_log_prob
+            original(self)
+            # "keep the last log-prob at hand": a step that draws no noise reports the
+            # one before it
+            self.step_log_prob = kept
+
+        return record_step
+
+    return replace_attribute(StepRequestState, "record_step", make)
+
+
+def trajectory_of_a_batch_mate() -> Patch:
+    def make(original: Any) -> Any:
+        def of(cls: Any, request: Request, result: RunnerOutput | None) -> Any:
+            products = original.__func__(cls, request, result)
+            if result is not None and len(result.trajectory_latents) > 1:
+                # "the trajectories of one result are in request order": the first one
+                first = next(iter(result.trajectory_latents))
+                mate = SimpleNamespace(request_id=first, params=request.params)
+                other = original.__func__(cls, mate, result)
+                return cls(products.images, products.latents, other.trajectory)
+            return products
+
+        return classmethod(of)
+
+    return replace_attribute(core._Products, "of", make)
+
+
+def latents_delivered_as_images() -> Patch:
+    def make(original: Any) -> Any:
+        def of(cls: Any, request: Request, result: RunnerOutput | None) -> Any:
+            products = original.__func__(cls, request, result)
+            if products.latents is not None:  # "an output's tensor is its image_batch"
+                return cls(products.latents, None, products.trajectory)
+            return products
+
+        return classmethod(of)
+
+    return replace_attribute(core._Products, "of", make)
+
+
+OUTPUT_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(name="trajectory-last-step-dropped", mode="step", target="outputs",
+             bug="the runner does not record a request's last step in its trajectory",
+             patch=last_step_not_recorded),
+    Mutation(name="log-prob-carried-over", mode="step", target="outputs",
+             bug="a step that draws no noise reports the previous step's log-probability",
+             patch=log_prob_carried_over),
+    Mutation(name="trajectory-of-a-batch-mate", mode="request", target="outputs",
+             bug="a request's final output carries the first trajectory of its wave",
+             patch=trajectory_of_a_batch_mate),
+    Mutation(name="latents-as-images", mode="request", target="outputs",
+             bug="a request that asked for latents gets them as its images",
+             patch=latents_delivered_as_images),
+)  # fmt: skip
