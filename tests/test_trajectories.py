@@ -204,7 +204,14 @@ def test_the_stage_carries_latents_and_trajectories_as_raw_frames(
                 finals.append([o async for o in client.stream(request_id)][-1])
             return finals
 
+    async def batch_refused() -> None:
+        async with StageClient(config(execution_mode="step")) as client:
+            with pytest.raises(InvalidFieldError, match="return_trajectory is not merged"):
+                await client.add_batch_request(["1", "2"], RL)
+            assert await client.queue_length() == 0
+
     rl, latent = asyncio.run(scenario())
+    asyncio.run(batch_refused())
     assert_same(rl, alone["3"])
     assert_same(latent, alone["7"])
 

@@ -327,6 +327,10 @@ class StageClient:
         if not prompt_list:
             raise InvalidFieldError("request", "prompts", "must not be empty", prompt_list)
         bounded_input("request", "prompts", prompt_list)
+        if not params.decodes or params.return_trajectory:
+            field = "return_trajectory" if params.decodes else "output_type"
+            rule = "is not merged into a batch request's output yet; send the prompts apart"
+            raise InvalidFieldError("SamplingParams", field, rule, getattr(params, field))
         child_ids = [child_request_id(request_id, i) for i in range(len(prompt_list))]
         self._check_free([request_id, *child_ids])
         self._open_stage()  # a parent is born only if the stage can take its prompts
