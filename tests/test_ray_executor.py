@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import hypothesis.strategies as st
 import pytest
+import torch
 from conftest import engine_threads
 from executor_helpers import DEEPER_THAN_PICKLE, GatedPipeline, PreviewingNoise, chain
 from hypothesis import HealthCheck, settings
@@ -454,3 +455,34 @@ def test_ray_workers_sleep_at_level_2_and_wake_bit_identical(
     for got, want in zip(after, before, strict=True):
         assert got.image_batch is not None and want.image_batch is not None
         assert got.image_batch.equal(want.image_batch)
+
+
+def test_trajectories_and_latents_cross_the_object_store_bit_for_bit(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    """Latents, trajectories and log-probabilities come back from Ray actors as the
+    same bits as in process (the testing pipeline's stochastic steps)."""
+    params = [
+        SamplingParams(
+            num_inference_steps=4, seed=3, extra_args={"noise": 0.5}, return_trajectory="full"
+        ),
+        SamplingParams(num_inference_steps=3, seed=4, output_type="latent"),
+    ]
+    engine = ray_engine(execution_mode="step")
+    over_ray = engine.generate(["cat", "dog"], params)
+    with DiffusionEngine.make_engine(
+        ray_config(executor_backend="uni", num_workers=1, execution_mode="step")
+    ) as local:
+        in_process = local.generate(["cat", "dog"], params)
+    full, latent = over_ray
+    assert full.trajectory is not None and full.trajectory.log_probs is not None
+    assert latent.latents is not None and latent.image_batch is None
+    for remote, here in zip(over_ray, in_process, strict=True):
+        for name in ("image_batch", "latents"):
+            mine, theirs = getattr(remote, name), getattr(here, name)
+            assert (mine is None) == (theirs is None)
+            assert mine is None or torch.equal(mine, theirs)
+    assert in_process[0].trajectory is not None
+    assert torch.equal(full.trajectory.latents, in_process[0].trajectory.latents)
+    assert full.trajectory.log_probs is not None
+    assert torch.equal(full.trajectory.log_probs, in_process[0].trajectory.log_probs)
