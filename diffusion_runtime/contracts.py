@@ -9,7 +9,7 @@ another to speak this contract.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import attrs
@@ -88,6 +88,29 @@ class ReadyFence(OutputFence):
 READY: OutputFence = ReadyFence()
 
 
+@attrs.define(slots=True)
+class WaveCosts:
+    """What one wave cost on the worker that returned its results.
+
+    ``seconds`` is the wave's wall time on the worker; ``phases`` maps each
+    request the wave ran to the seconds of each phase of its work there
+    (``encode``, ``denoise``, ``decode``; a call shared by a batch counts in
+    full for each of its requests); ``peak_memory_bytes`` is the worker's
+    memory high-water mark during the wave (``None``: not measurable there).
+    """
+
+    seconds: float = 0.0
+    phases: dict[str, dict[str, float]] = attrs.field(factory=dict)
+    peak_memory_bytes: int | None = None
+
+    def charge(self, request_ids: Iterable[str], phase: str, seconds: float) -> None:
+        """Add ``seconds`` of ``phase`` to each of ``request_ids``."""
+        phases = self.phases
+        for request_id in request_ids:
+            spent = phases.setdefault(request_id, {})
+            spent[phase] = spent.get(phase, 0.0) + seconds
+
+
 @attrs.frozen(slots=True)
 class RunnerOutput:
     """Per-request results of one scheduler output.
@@ -108,6 +131,8 @@ class RunnerOutput:
     ``trajectory_latents``, its log-probabilities in ``trajectory_log_probs``
     (when it has any), and its timesteps and the steps those log-probabilities
     belong to in ``trajectory_steps`` (the tensors follow the same fence).
+    ``costs`` says what the wave cost on its worker (``None`` for a wave that
+    never ran there).
     """
 
     wave_id: int
@@ -121,6 +146,7 @@ class RunnerOutput:
     trajectory_latents: dict[str, torch.Tensor] = attrs.field(factory=dict)
     trajectory_log_probs: dict[str, torch.Tensor] = attrs.field(factory=dict)
     trajectory_steps: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = attrs.field(factory=dict)
+    costs: WaveCosts | None = None
     output_ready: OutputFence = READY
 
     #: The fields that hold tensors (an executor that sends results elsewhere

@@ -74,7 +74,13 @@ from diffusion_runtime.inbox import CoreInbox, Queued, QueuedAbort, QueuedReques
 from diffusion_runtime.lora.control import AdapterControl
 from diffusion_runtime.lora.weights import AdapterFileError
 from diffusion_runtime.lora_request import LoRARequest
-from diffusion_runtime.outputs import RequestMetrics, RequestOutput, Trajectory, images_digest
+from diffusion_runtime.outputs import (
+    STAGES,
+    RequestMetrics,
+    RequestOutput,
+    Trajectory,
+    images_digest,
+)
 from diffusion_runtime.runner.profiling import checked_profile_prefix
 from diffusion_runtime.runner.sleep import checked_sleep_level
 from diffusion_runtime.sampling_params import SamplingParams
@@ -450,6 +456,7 @@ class EngineCore:
             outputs += self._delivered(wait=True)
             return StepResult(outputs, False, self._wake_at(executed=False))
         interrupted = False
+        started = time.perf_counter()
         try:
             result = self._execute(output)
         except KeyboardInterrupt:
@@ -462,6 +469,7 @@ class EngineCore:
         outputs += self._take_wave_inbox()
         # Measured here, not by each scheduler: one that forgot would learn no costs.
         self.scheduler.cost_meter.wave_ran(output, self.clock())
+        self._charge_costs(output, result, time.perf_counter() - started)
         self._commit(output, result)
         if self._release_due:
             self._send_release()
@@ -491,6 +499,22 @@ class EngineCore:
         if self.config.streaming_output and result.progress:
             produced.extend(self._progress_outputs(result))
         self._deliveries.put(produced, result.output_ready)
+
+    def _charge_costs(
+        self, output: SchedulerOutput, result: RunnerOutput, wave_seconds: float
+    ) -> None:
+        """Add what the wave cost to each of its requests: the worker's phase times,
+        and as transfer the rest of the wave's time as the core saw it."""
+        costs = result.costs
+        if costs is None:
+            return
+        transfer_s = max(0.0, wave_seconds - costs.seconds)
+        running = self.scheduler.running
+        for request_id in output.scheduled_ids:
+            request = running.get(request_id)
+            if request is not None:
+                phases = costs.phases.get(request_id, {})
+                request.charge(phases, transfer_s, costs.peak_memory_bytes)
 
     def _wake_at(self, *, executed: bool) -> float | None:
         """When the next step is due: now while work is left, else the scheduler's
@@ -539,7 +563,7 @@ class EngineCore:
         request, event = ended
         completed = event.dest is RequestStatus.FINISHED_COMPLETED
         products = _Products.of(request, result) if completed else _Products()
-        scheduled, finished = request.scheduled_time, request.finished_time
+        finished = request.finished_time
         if finished is None:  # a scheduler whose terminal hook does not stamp it
             finished = self.clock()
         output = RequestOutput(
@@ -549,12 +573,7 @@ class EngineCore:
             image_batch=products.images,
             seed=request.seed,
             error=None if completed else event.reason,
-            metrics=RequestMetrics(
-                queue_time_s=(scheduled if scheduled is not None else finished)
-                - request.arrival_time,
-                execution_time_s=0.0 if scheduled is None else finished - scheduled,
-                total_time_s=finished - request.arrival_time,
-            ),
+            metrics=_metrics(request, finished),
             step=request.step_index if request.num_steps is not None else None,
             num_steps=request.num_steps,
             latents=products.latents,
@@ -936,6 +955,20 @@ class _Products:
         if request.params.decodes:
             return cls(images=output, trajectory=trajectory)
         return cls(latents=output, trajectory=trajectory)
+
+
+def _metrics(request: Request, finished: float) -> RequestMetrics:
+    scheduled = request.scheduled_time
+    queue_s = (scheduled if scheduled is not None else finished) - request.arrival_time
+    spent = request.stage_seconds
+    peak = request.peak_memory_bytes
+    return RequestMetrics(
+        queue_time_s=queue_s,
+        execution_time_s=0.0 if scheduled is None else finished - scheduled,
+        total_time_s=finished - request.arrival_time,
+        stage_durations={"queue": queue_s, **{s: spent.get(s, 0.0) for s in STAGES[1:]}},
+        peak_memory_mb=None if peak is None else peak / 2**20,
+    )
 
 
 class _WaveInterrupted(Exception):

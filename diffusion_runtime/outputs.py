@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import attrs
@@ -22,11 +23,28 @@ def images_digest(images: torch.Tensor) -> str:
 
 @attrs.frozen(slots=True)
 class RequestMetrics:
-    """Seconds spent waiting, executing, and in total (admission to final output)."""
+    """Seconds spent waiting, executing, and in total (admission to final output).
+
+    ``stage_durations`` splits a request's time by :data:`STAGES`: ``queue``
+    (admission to first scheduling, as ``queue_time_s``), then the worker's
+    seconds of ``encode``, ``denoise`` and ``decode`` work for it, and
+    ``transfer``: the rest of its waves' time as the core saw them (handing
+    inputs to the workers and results back). A batched call counts in full
+    for each request in it. ``peak_memory_mb`` is the highest memory
+    high-water mark of the waves it ran in: the device's peak allocation on
+    CUDA, the worker process's peak resident set on the CPU (``None`` where
+    neither can be read). See ``docs/outputs.md``.
+    """
 
     queue_time_s: float
     execution_time_s: float
     total_time_s: float
+    stage_durations: Mapping[str, float] = attrs.field(factory=dict)
+    peak_memory_mb: float | None = None
+
+
+#: The keys of :attr:`RequestMetrics.stage_durations`, in the order a request meets them.
+STAGES = ("queue", "encode", "denoise", "decode", "transfer")
 
 
 @attrs.frozen(slots=True, repr=False)

@@ -85,6 +85,7 @@ FAST_SUBSET = {
     "user-preemption-readmits",
     "queue-time-until-the-end",
     "drive-idles-before-done",
+    "costs-charged-after-commit",
     "progress-outlives-its-request",
     "delivery-ignores-the-fence",
     "batched-device-fault-kept-local",

@@ -43,6 +43,7 @@ from diffusion_runtime import (
 )
 from diffusion_runtime.fsm.events import ADMIT, LifecycleEvent, TraceEvent, WaveEvent
 from diffusion_runtime.fsm.trace import read_trace
+from diffusion_runtime.outputs import STAGES
 from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
 from diffusion_runtime.stage import StageClient, StageStartError
 from diffusion_runtime.stage.endpoints import bind
@@ -292,6 +293,11 @@ def test_requests_and_batches_match_the_in_process_engine(shared: Shared) -> Non
     assert [o.ok for o in outputs] == [True, True, True, False, True]
     assert outputs[3].error == "ValueError: injected step failure"
     assert outputs[1].image_batch is not None and outputs[1].image_batch.shape == (2, 3, 16, 16)
+    # Metrics cross whole: every stage's seconds, and the worker's memory peak.
+    metrics = outputs[1].metrics
+    assert metrics is not None and tuple(metrics.stage_durations) == STAGES
+    assert metrics.stage_durations["denoise"] > 0.0
+    assert metrics.peak_memory_mb is None or metrics.peak_memory_mb > 0.0
     # One params for all: the prompts cross in one message, admitted all or none.
     together = shared.run(client.generate(["cat", "dog", 7], FAST))
     same_outputs(together, engine.generate(["cat", "dog", 7], FAST))

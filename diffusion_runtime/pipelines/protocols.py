@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
+from diffusion_runtime.pipelines.phases import timed_phase
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.trajectory import SampledOutput, TrajectoryRecorder
 
@@ -203,9 +204,12 @@ def forward_by_steps(
     finish at the same step, as the runner does. A pipeline whose ``forward``
     is this function gives bit-identical images in both execution modes. A
     ``step_batch`` that leaves a request's step index where it was (which
-    fails that request in step mode) raises, failing the forward.
+    fails that request in step mode) raises, failing the forward. It marks
+    its encoding and decoding for the request's stage durations
+    (:func:`~diffusion_runtime.pipelines.phases.timed_phase`).
     """
-    states = [pipeline.prepare_encode(request) for request in batch]
+    with timed_phase("encode"):
+        states = [pipeline.prepare_encode(request) for request in batch]
     for state in states:
         state.begin_trajectory()
     step_batch = getattr(pipeline, "step_batch", None)
@@ -224,7 +228,9 @@ def forward_by_steps(
         for state in active:
             state.record_step()
         done = [state for state in active if state.is_done]
-        for state, images in zip(done, decode_finished(pipeline, done), strict=True):
+        with timed_phase("decode"):
+            decoded = decode_finished(pipeline, done)
+        for state, images in zip(done, decoded, strict=True):
             results[state.request_id] = state.result(images)
         active = [state for state in active if not state.is_done]
     return {state.request_id: results[state.request_id] for state in states}

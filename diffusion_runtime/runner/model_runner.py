@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TypeVar, cast
 
 import attrs
 import torch
 
-from diffusion_runtime.contracts import READY, NewRequestData, RunnerOutput, SchedulerOutput
+from diffusion_runtime.contracts import (
+    READY,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+    WaveCosts,
+)
 from diffusion_runtime.errors import (
     DeviceFault,
     InvalidFieldError,
     PipelineContractError,
     describe_error,
 )
+from diffusion_runtime.pipelines.phases import timing_forward
 from diffusion_runtime.pipelines.protocols import (
     STEP_METHODS,
     PipelineRequest,
@@ -26,6 +35,7 @@ from diffusion_runtime.pipelines.protocols import (
 from diffusion_runtime.runner.faults import is_sticky_device_fault
 from diffusion_runtime.runner.host_copy import HostCopier
 from diffusion_runtime.runner.input_batch import InputBatch
+from diffusion_runtime.runner.memory_peak import PeakMemoryMeter
 from diffusion_runtime.runner.state_offload import StateOffloader
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.trajectory import SampledOutput
@@ -55,6 +65,10 @@ class ModelRunner:
     output's ``output_ready`` fence says when its images and previews have
     reached host memory. With ``overlap_outputs`` off, or on the CPU, they are
     there when :meth:`execute_model` returns.
+
+    Each output says what its wave cost (:class:`WaveCosts`): the seconds of
+    each request's encode, denoise and decode phases, and the worker's memory
+    high-water mark (:class:`PeakMemoryMeter`).
     """
 
     def __init__(
@@ -90,6 +104,7 @@ class ModelRunner:
         self.states: dict[str, StepRequestState] = {}
         self.input_batch = InputBatch()
         self.host_copier = HostCopier(device, overlap=overlap_outputs)
+        self.memory = PeakMemoryMeter(device)
         self.offloader = (
             StateOffloader(device, offload_budget_bytes)
             if step_mode and offload_budget_bytes
@@ -98,7 +113,10 @@ class ModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Run one output; return once its work is enqueued (compute done)."""
-        result = RunnerOutput(scheduler_output.wave_id)
+        started = time.perf_counter()
+        costs = WaveCosts()
+        self.memory.begin()
+        result = RunnerOutput(scheduler_output.wave_id, costs=costs)
         result.released.extend(self._release(scheduler_output.finished_ids))
         with torch.inference_mode():
             if self.step_mode:
@@ -106,7 +124,13 @@ class ModelRunner:
             else:
                 self._forward_wave(scheduler_output, result)
         fence = self.host_copier.fence()
+        costs.peak_memory_bytes = self.memory.peak_bytes()
+        costs.seconds = time.perf_counter() - started
         return result if fence is READY else attrs.evolve(result, output_ready=fence)
+
+    def close(self) -> None:
+        """Close what the runner holds open (the memory meter's files)."""
+        self.memory.close()
 
     def check_output_options(self, params: SamplingParams) -> None:
         """Refuse, by field, latents or a trajectory that this runner cannot return:
@@ -163,7 +187,8 @@ class ModelRunner:
 
     def _forward(self, batch: list[PipelineRequest], result: RunnerOutput) -> None:
         try:
-            produced = self.pipeline.forward(batch)
+            with timing_forward() as clock:
+                produced = self.pipeline.forward(batch)
         except Exception as exc:
             _reraise_if_sticky(exc)
             _fail_all(result, [r.request_id for r in batch], exc)
@@ -177,6 +202,9 @@ class ModelRunner:
             for request in batch:
                 result.errors[request.request_id] = message
             return
+        costs = _costs(result)
+        for phase, seconds in clock.seconds.items():
+            costs.charge(expected, phase, seconds)
         for request in batch:
             self._accept_images(request, produced.get(request.request_id), result)
 
@@ -193,9 +221,11 @@ class ModelRunner:
             and offloader.place(self.states, scheduler_output.scheduled_ids)
         ):
             self.input_batch.invalidate()
+        costs = _costs(result)
         for data in scheduler_output.scheduled_new_reqs:
             try:
-                state = pipeline.prepare_encode(self._pipeline_request(data))
+                with _timed(costs, (data.request_id,), "encode"):
+                    state = pipeline.prepare_encode(self._pipeline_request(data))
                 state.begin_trajectory()
                 self.states[data.request_id] = state
                 result.created.append(data.request_id)
@@ -232,7 +262,8 @@ class ModelRunner:
         result: RunnerOutput,
     ) -> None:
         try:
-            step_batch(batch)
+            with _timed(_costs(result), batch.request_ids, "denoise"):
+                step_batch(batch)
         except Exception as exc:
             _reraise_if_sticky(exc)
             _fail_all(result, batch.request_ids, exc)
@@ -245,20 +276,21 @@ class ModelRunner:
     def _run_step_by_request(
         self, pipeline: StepPipeline, batch: InputBatch, before: list[int], result: RunnerOutput
     ) -> None:
-        model_outputs = _one_result_each(
-            pipeline.denoise_step, batch, result, ("denoise_step", "outputs")
-        )
-        if model_outputs is None:
-            return
         finished: list[StepRequestState] = []
-        for state, model_output, step_index in zip(batch, model_outputs, before, strict=True):
-            try:
-                pipeline.step_scheduler(state, model_output)
-            except Exception as exc:
-                _reraise_if_sticky(exc)
-                result.errors[state.request_id] = describe_error(exc)
-                continue
-            self._report(state, step_index, result, finished)
+        with _timed(_costs(result), batch.request_ids, "denoise"):
+            model_outputs = _one_result_each(
+                pipeline.denoise_step, batch, result, ("denoise_step", "outputs")
+            )
+            if model_outputs is None:
+                return
+            for state, model_output, step_index in zip(batch, model_outputs, before, strict=True):
+                try:
+                    pipeline.step_scheduler(state, model_output)
+                except Exception as exc:
+                    _reraise_if_sticky(exc)
+                    result.errors[state.request_id] = describe_error(exc)
+                    continue
+                self._report(state, step_index, result, finished)
         self._decode(pipeline, finished, result)
 
     def _report(
@@ -298,9 +330,11 @@ class ModelRunner:
     ) -> None:
         """Decode finished requests (together when the pipeline has
         ``post_decode_batch``; one by one when it has not, so one's error fails only it)."""
+        costs = _costs(result)
         if self._post_decode_batch is not None and len(states) > 1:
             try:
-                decoded = decode_finished(pipeline, states)
+                with _timed(costs, [state.request_id for state in states], "decode"):
+                    decoded = decode_finished(pipeline, states)
             except Exception as exc:
                 _reraise_if_sticky(exc)
                 _fail_all(result, [state.request_id for state in states], exc)
@@ -310,7 +344,8 @@ class ModelRunner:
             return
         for state in states:
             try:
-                [images] = decode_finished(pipeline, [state])
+                with _timed(costs, (state.request_id,), "decode"):
+                    [images] = decode_finished(pipeline, [state])
                 self._accept_images(state.request, state.result(images), result)
             except Exception as exc:
                 _reraise_if_sticky(exc)
@@ -341,6 +376,22 @@ class ModelRunner:
                 log_probs = self.host_copier.to_host(trajectory.log_probs)
                 result.trajectory_log_probs[request_id] = log_probs
             result.trajectory_steps[request_id] = (trajectory.timesteps, trajectory.log_prob_steps)
+
+
+def _costs(result: RunnerOutput) -> WaveCosts:
+    costs = result.costs
+    assert costs is not None  # execute_model made it
+    return costs
+
+
+@contextmanager
+def _timed(costs: WaveCosts, request_ids: Sequence[str], phase: str) -> Iterator[None]:
+    """Charge the enclosed call's duration (raised or not) to ``request_ids``' ``phase``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        costs.charge(request_ids, phase, time.perf_counter() - start)
 
 
 def _reraise_if_sticky(exc: Exception) -> None:

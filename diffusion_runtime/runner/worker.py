@@ -244,6 +244,7 @@ class Worker:
         """Release the pipeline and, on CUDA, the cached device memory."""
         self._methods.clear()
         self.profiler.close()
+        self.runner.close()
         self._close_pipeline()
         self.adapters = None
         del self.pipeline, self.runner, self.sleeper  # the sleeper holds host copies

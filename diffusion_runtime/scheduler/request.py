@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from diffusion_runtime.fsm import RequestLifecycle
@@ -18,7 +18,8 @@ class Request(RequestLifecycle):
     the monotonic time by which it should finish (``None``: no deadline), and
     ``order`` its place in admission order (the tie-break of every policy).
     Outputs never travel on this object: the core builds them as values from
-    what each step decided.
+    what each step decided. ``stage_seconds`` and ``peak_memory_bytes`` sum up
+    what its waves cost (:meth:`charge`), for its final output's metrics.
     """
 
     __slots__ = (
@@ -29,9 +30,11 @@ class Request(RequestLifecycle):
         "num_steps",
         "order",
         "params",
+        "peak_memory_bytes",
         "prompt",
         "scheduled_time",
         "seed",
+        "stage_seconds",
         "step_index",
     )
 
@@ -57,6 +60,20 @@ class Request(RequestLifecycle):
         self.finished_time: float | None = None
         self.step_index = 0
         self.num_steps: int | None = None
+        self.stage_seconds: dict[str, float] = {}
+        self.peak_memory_bytes: int | None = None
+
+    def charge(
+        self, phases: Mapping[str, float], transfer_s: float, peak_memory_bytes: int | None
+    ) -> None:
+        """Add one wave's cost: its phases' seconds on the worker, the seconds its
+        inputs and results took between core and worker, and its memory peak."""
+        spent = self.stage_seconds
+        for phase, seconds in phases.items():
+            spent[phase] = spent.get(phase, 0.0) + seconds
+        spent["transfer"] = spent.get("transfer", 0.0) + transfer_s
+        if peak_memory_bytes is not None:
+            self.peak_memory_bytes = max(self.peak_memory_bytes or 0, peak_memory_bytes)
 
     @property
     def remaining_steps(self) -> int:

@@ -30,7 +30,7 @@ import torch
 
 from diffusion_runtime.errors import describe_error
 from diffusion_runtime.fsm import RequestLifecycle, RequestMachine, RequestStatus, Trigger
-from diffusion_runtime.outputs import RequestMetrics, RequestOutput
+from diffusion_runtime.outputs import STAGES, RequestMetrics, RequestOutput
 
 #: What a child's final status fires on its running parent (``complete`` only
 #: when it is the last child to end).
@@ -150,8 +150,15 @@ def _slowest(metrics: Sequence[RequestMetrics | None]) -> RequestMetrics | None:
     known = [m for m in metrics if m is not None]
     if not known:
         return None
+    peaks = [m.peak_memory_mb for m in known if m.peak_memory_mb is not None]
     return RequestMetrics(
         queue_time_s=max(m.queue_time_s for m in known),
         execution_time_s=max(m.execution_time_s for m in known),
         total_time_s=max(m.total_time_s for m in known),
+        stage_durations={
+            stage: max(m.stage_durations.get(stage, 0.0) for m in known)
+            for stage in STAGES
+            if any(stage in m.stage_durations for m in known)
+        },
+        peak_memory_mb=max(peaks, default=None),
     )

@@ -71,6 +71,8 @@ class MetricsMsg(_Part, frozen=True):
     queue_time_s: float
     execution_time_s: float
     total_time_s: float
+    stage_durations: dict[str, float] = {}
+    peak_memory_mb: float | None = None
 
 
 class TensorMeta(_Part, frozen=True):

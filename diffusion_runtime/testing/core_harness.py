@@ -55,7 +55,7 @@ from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
 from diffusion_runtime.fsm.events import DeliveryEvent, RunnerEvent, TraceEvent, WaveEvent
 from diffusion_runtime.fsm.trace import JsonlTraceWriter
-from diffusion_runtime.outputs import RequestOutput, images_digest
+from diffusion_runtime.outputs import STAGES, RequestOutput, images_digest
 from diffusion_runtime.sampling_params import MAX_PRIORITY, SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.testing.copies_in_flight import CopiesInFlight
@@ -531,8 +531,9 @@ class CoreLifecycleMachine(SleepRules):
 
     def _check_fields(self, record: RequestRecord, final: RequestOutput) -> None:
         """A final output reports the request's seed, and metrics that add up: the
-        queue and execution times are parts of the total, and a request that
-        never ran spent no time executing."""
+        queue and execution times are parts of the total, there is one duration
+        per stage, a request that never ran spent no time executing or working,
+        and one that completed spent some denoising."""
         assert final.seed == record.seed, (
             f"{final.request_id!r} reports seed {final.seed}; it ran with {record.seed}"
         )
@@ -550,11 +551,24 @@ class CoreLifecycleMachine(SleepRules):
             f"{final.request_id!r}: queue {queue} s + execution {execution} s is not "
             f"the total {total} s"
         )
+        stages = metrics.stage_durations
+        assert tuple(stages) == STAGES and stages["queue"] == queue, (
+            f"{final.request_id!r}: stage durations {dict(stages)} are not one per stage "
+            f"of {STAGES}, starting with the queue time {queue} s"
+        )
+        assert min(stages.values()) >= 0.0, (final.request_id, dict(stages))
+        worked = sum(stages[stage] for stage in STAGES[1:])
         if not record.waves:
-            assert execution == 0.0, (
-                f"{final.request_id!r} never ran, yet reports {execution} s executing"
+            assert execution == 0.0 and worked == 0.0, (
+                f"{final.request_id!r} never ran, yet reports {execution} s executing "
+                f"and {worked} s of work"
             )
             self.reach.note("path: metrics of a request that never ran")
+        elif final.status is RequestStatus.FINISHED_COMPLETED:
+            assert stages["denoise"] > 0.0, (
+                f"{final.request_id!r} completed after {len(record.waves)} wave(s), "
+                f"yet reports no denoising time"
+            )
 
     # -- helpers -----------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ trajectory itself, one step at a time, outside the runtime's recorder."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -72,6 +74,34 @@ def latents_delivered_as_images() -> Patch:
     return replace_attribute(core._Products, "of", make)
 
 
+@contextlib.contextmanager
+def costs_charged_after_commit() -> Iterator[None]:
+    """ "Charge a wave's costs once its results are in": the requests that ended in
+    the wave are gone from the running set by then, so their last wave is never
+    counted (one that ran in a single wave reports no denoising at all)."""
+    deferred: list[tuple[Any, ...]] = []
+
+    def defer(original: Any) -> Any:
+        def charge(self: core.EngineCore, *args: Any) -> None:
+            deferred.append(args)
+
+        return charge
+
+    def commit_then_charge(original: Any) -> Any:
+        def commit(self: core.EngineCore, *args: Any) -> None:
+            original(self, *args)
+            while deferred:
+                charge_costs(self, *deferred.pop())
+
+        return commit
+
+    charge_costs = core.EngineCore.__dict__["_charge_costs"]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(replace_attribute(core.EngineCore, "_charge_costs", defer))
+        stack.enter_context(replace_attribute(core.EngineCore, "_commit", commit_then_charge))
+        yield
+
+
 OUTPUT_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="trajectory-last-step-dropped", mode="step", target="outputs",
              bug="the runner does not record a request's last step in its trajectory",
@@ -85,4 +115,7 @@ OUTPUT_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="latents-as-images", mode="request", target="outputs",
              bug="a request that asked for latents gets them as its images",
              patch=latents_delivered_as_images),
+    Mutation(name="costs-charged-after-commit", mode="request", target="core",
+             bug="a wave's costs are charged after its results, missing the requests it ended",
+             patch=costs_charged_after_commit),
 )  # fmt: skip
