@@ -7,6 +7,8 @@ in request or step mode, preempted and resumed or not."""
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -291,3 +293,17 @@ def test_diffusers_refuse_a_schedule_their_scheduler_cannot_take(sd: dict[str, A
             engine.generate(["x"], SamplingParams(sigmas=[1.0, 0.5]))
         assert refused.value.field == "sigmas"
         assert engine.generate(["x"], SamplingParams(timesteps=[999, 3], seed=0))[0].ok
+
+
+def test_the_documented_example_prints_what_the_docs_say(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    page = (Path(__file__).parent.parent / "docs" / "outputs.md").read_text()
+    marker = "timesteps=[999, 900, 600, 200]"
+    [(code, printed)] = [
+        (code, printed)
+        for code, printed in re.findall(r"```python\n(.*?)```.*?```text\n(.*?)```", page, re.S)
+        if marker in code
+    ]
+    exec(compile(code, "outputs.md", "exec"), {})
+    assert capsys.readouterr().out == printed
