@@ -270,6 +270,8 @@ def test_diffusers_steps_mix_schedules_and_keep_each_requests_output(sd: dict[st
         together = engine.generate(["x"] * len(requests), requests)
     for output, expected in zip(together, alone, strict=True):
         assert_same(output, expected)
+    # Euler ends its schedule at the last sigma: 4 sigmas are 3 steps (docs/outputs.md).
+    assert [output.num_steps for output in together] == [4, 4, 3, 4]
     images = [output.image_batch for output in alone]
     assert all(not torch.equal(images[0], other) for other in images[1:])
 

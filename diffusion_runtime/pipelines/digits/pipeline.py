@@ -154,7 +154,7 @@ class DigitsPipeline:
         """Reject what this pipeline cannot serve, naming the field."""
         parse_digit(prompt)
         steps = params.num_inference_steps
-        if steps > self.config.num_train_timesteps:
+        if params.timesteps is None and steps > self.config.num_train_timesteps:
             rule = f"must be at most {self.config.num_train_timesteps} (the training timesteps)"
             raise InvalidFieldError(_OWNER, "num_inference_steps", rule, steps)
         if params.guidance_scale > MAX_GUIDANCE:
