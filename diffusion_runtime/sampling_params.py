@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,11 @@ MAX_PRIORITY = 2**31 - 1
 #: ``deadline_s`` lies in ``[MIN_DEADLINE_S, MAX_DEADLINE_S]`` (1 ms to 30 days).
 MIN_DEADLINE_S = 0.001
 MAX_DEADLINE_S = 30 * 86_400.0
+#: ``num_inference_steps`` lies in ``[1, MAX_STEPS]``; a custom schedule holds at most this many.
+MAX_STEPS = 10_000
+#: Each custom timestep or sigma lies in ``[0, MAX_SCHEDULE_VALUE]`` (far above any
+#: diffusion schedule, and within what every transport and scheduler can carry).
+MAX_SCHEDULE_VALUE = 1e9
 
 
 def _copy_dict(value: Any) -> Any:
@@ -48,6 +54,34 @@ def _is_trajectory_kind(instance: Any, attribute: attrs.Attribute[Any], value: A
         )
 
 
+def _as_tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _schedule(*, integers_allowed: bool) -> Any:
+    """A custom schedule: ``None``, or a non-empty, strictly decreasing list or tuple of
+    at most :data:`MAX_STEPS` numbers in ``[0, MAX_SCHEDULE_VALUE]``."""
+    kinds = "numbers" if integers_allowed else "floats"
+    rule = (
+        f"must be None or a non-empty list of at most {MAX_STEPS} {kinds} in "
+        f"[0, {MAX_SCHEDULE_VALUE:g}], strictly decreasing"
+    )
+
+    def check(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is None:
+            return
+        if not isinstance(value, tuple) or not 1 <= len(value) <= MAX_STEPS:
+            raise InvalidFieldError(type(instance).__name__, attribute.name, rule, value)
+        for item in value:
+            number = isinstance(item, float) or (integers_allowed and isinstance(item, int))
+            if isinstance(item, bool) or not number or not 0 <= item <= MAX_SCHEDULE_VALUE:
+                raise InvalidFieldError(type(instance).__name__, attribute.name, rule, value)
+        if any(later >= earlier for earlier, later in itertools.pairwise(value)):
+            raise InvalidFieldError(type(instance).__name__, attribute.name, rule, value)
+
+    return check
+
+
 def _is_extra_args(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     str_keyed_dict(instance, attribute, value)
     bounded_input(type(instance).__name__, attribute.name, value)
@@ -68,12 +102,16 @@ class SamplingParams:
     instead of images (``"pil"`` and ``"pt"`` both return image tensors), and
     ``return_trajectory`` asks for every step's latents (``"latents"``) and
     also each sampled step's log-probability (``"full"``); see
-    ``docs/outputs.md``. ``extra_args`` carries pipeline-specific options; like a prompt, it may
-    nest at most :data:`~diffusion_runtime.validation.MAX_INPUT_DEPTH` levels
-    and hold at most :data:`~diffusion_runtime.validation.MAX_INPUT_BYTES`.
+    ``docs/outputs.md``. ``timesteps`` or ``sigmas`` (not both) replace the
+    pipeline's schedule with the given one, for pipelines that take it; the
+    step count is then their length, and ``num_inference_steps`` reads back as
+    that length whatever was passed. ``extra_args`` carries pipeline-specific
+    options; like a prompt, it may nest at most
+    :data:`~diffusion_runtime.validation.MAX_INPUT_DEPTH` levels and hold at most
+    :data:`~diffusion_runtime.validation.MAX_INPUT_BYTES`.
     """
 
-    num_inference_steps: int = attrs.field(default=25, validator=int_in_range(1, 10_000))
+    num_inference_steps: int = attrs.field(default=25, validator=int_in_range(1, MAX_STEPS))
     guidance_scale: float = attrs.field(default=1.0, validator=finite_in_range(0.0, 1_000.0))
     seed: int | None = attrs.field(default=None, validator=int_in_range(0, MAX_SEED, optional=True))
     num_outputs_per_prompt: int = attrs.field(default=1, validator=int_in_range(1, 256))
@@ -89,11 +127,43 @@ class SamplingParams:
     lora: LoRARequest | None = attrs.field(default=None, validator=_is_lora)
     output_type: str = attrs.field(default="pil", validator=one_of(*OUTPUT_TYPES))
     return_trajectory: bool | str = attrs.field(default=False, validator=_is_trajectory_kind)
+    timesteps: tuple[int | float, ...] | None = attrs.field(
+        default=None, converter=_as_tuple, validator=_schedule(integers_allowed=True)
+    )
+    sigmas: tuple[float, ...] | None = attrs.field(
+        default=None, converter=_as_tuple, validator=_schedule(integers_allowed=False)
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.timesteps is not None and self.sigmas is not None:
+            raise InvalidFieldError(
+                type(self).__name__, "sigmas", "must be None when timesteps is given", self.sigmas
+            )
+        schedule = self.custom_schedule
+        if schedule is not None:  # the resolved step count, for everyone who reads it
+            object.__setattr__(self, "num_inference_steps", len(schedule[1]))
+
+    @property
+    def custom_schedule(self) -> tuple[str, tuple[int | float, ...]] | None:
+        """``("timesteps", ...)`` or ``("sigmas", ...)`` when the request brings its own
+        schedule, else ``None``."""
+        if self.timesteps is not None:
+            return "timesteps", self.timesteps
+        if self.sigmas is not None:
+            return "sigmas", self.sigmas
+        return None
 
     @property
     def decodes(self) -> bool:
         """Whether the request's result is decoded images (not latents)."""
         return self.output_type != "latent"
+
+    @property
+    def needs_pipeline_support(self) -> bool:
+        """Whether the request asks for what a pipeline must declare it serves
+        (latents, a trajectory, a custom schedule): admission then asks the worker
+        even when the pipeline has no ``validate_request``."""
+        return not self.decodes or bool(self.return_trajectory) or self.custom_schedule is not None
 
     @property
     def adapter_id(self) -> int | None:
@@ -103,10 +173,16 @@ class SamplingParams:
     def request_batch_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can share one full-forward (request-mode) batch.
 
-        The adapter is part of it; a step batch mixes adapters, so
-        :meth:`step_batch_key` leaves it out."""
+        The adapter and a custom schedule are part of it; a step batch mixes
+        adapters and schedules, so :meth:`step_batch_key` leaves them out."""
         outputs = (self.output_type == "latent", self.return_trajectory)
-        return (self.num_inference_steps, self.adapter_id, outputs, *self.step_batch_key())
+        return (
+            self.num_inference_steps,
+            self.custom_schedule,
+            self.adapter_id,
+            outputs,
+            *self.step_batch_key(),
+        )
 
     def step_batch_key(self) -> tuple[Any, ...]:
         """Requests with equal keys can share a denoising step, whatever their step counts."""

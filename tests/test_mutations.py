@@ -100,6 +100,7 @@ FAST_SUBSET = {
     "waiting-dropped-at-sleep",
     "trajectory-last-step-dropped",
     "trajectory-of-a-batch-mate",
+    "custom-timesteps-ignored-on-join",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -207,9 +208,11 @@ REQUIRED_REACH = {
         "output: a trajectory (latents)": 40,
         "output: a trajectory (full)": 40,
         "output: log-probabilities of stochastic steps": 20,
+        "output: custom timesteps": 30,
     },
     "outputs-step": {
         "output: a preempted request's trajectory": 30,
+        "output: a preempted request on custom timesteps": 10,
     },
     "lora": {
         "adapter: add_lora loaded": 50,

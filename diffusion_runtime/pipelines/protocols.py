@@ -83,6 +83,10 @@ class RequestPipeline(Protocol):
       uses them (:func:`forward_by_steps` does). Without it, request mode
       refuses such requests at admission; step mode serves them for any
       step pipeline.
+    - ``custom_schedules``: the names among ``"timesteps"`` and ``"sigmas"``
+      whose :class:`SamplingParams` field this pipeline honours, in both modes
+      (its own checks of the values go in ``validate_request``). A request
+      that brings another is refused at admission.
     """
 
     supports_request_batch: bool

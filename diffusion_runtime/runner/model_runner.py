@@ -147,6 +147,18 @@ class ModelRunner:
                 "SamplingParams", "return_trajectory", rule, params.return_trajectory
             )
 
+    def check_custom_schedule(self, params: SamplingParams) -> None:
+        """Refuse, by field, ``timesteps`` or ``sigmas`` that the pipeline does not take:
+        it names what it honours in its optional ``custom_schedules`` member."""
+        schedule = params.custom_schedule
+        if schedule is None:
+            return
+        field, values = schedule
+        if field not in getattr(self.pipeline, "custom_schedules", ()):
+            name = type(self.pipeline).__name__
+            rule = f"needs a pipeline that takes custom {field} ({name} does not)"
+            raise InvalidFieldError("SamplingParams", field, rule, values)
+
     def release_requests(self, request_ids: Sequence[str]) -> None:
         """Drop the step state of finished requests (no-op for ids not held)."""
         self._release(request_ids)

@@ -213,6 +213,7 @@ class Worker:
 
     def validate_request(self, prompt: Any, params: SamplingParams) -> None:
         self.runner.check_output_options(params)
+        self.runner.check_custom_schedule(params)
         fn = getattr(self.pipeline, "validate_request", None)
         if fn is not None:
             fn(prompt, params)

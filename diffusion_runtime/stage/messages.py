@@ -65,6 +65,8 @@ class SamplingParamsMsg(_Part, frozen=True):
     lora: LoRARequestMsg | None = None
     output_type: str = "pil"
     return_trajectory: bool | str = False
+    timesteps: tuple[int | float, ...] | None = None
+    sigmas: tuple[float, ...] | None = None
 
 
 class MetricsMsg(_Part, frozen=True):

@@ -691,6 +691,8 @@ class CoreLifecycleMachine(SleepRules):
                     self.reach.note("path: a preempted request completed as the oracle")
                     if output.trajectory is not None:
                         self.reach.note("output: a preempted request's trajectory")
+                    if record.params.timesteps is not None:
+                        self.reach.note("output: a preempted request on custom timesteps")
 
     def _record(self, event: TraceEvent) -> None:
         super()._record(event)

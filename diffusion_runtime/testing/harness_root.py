@@ -195,6 +195,8 @@ class HarnessRoot(RuleBasedStateMachine):
         )
         if not params.decodes:
             self.reach.note("output: latents")
+        if params.timesteps is not None:
+            self.reach.note("output: custom timesteps")
         if got is None or wanted is None:
             return
         self.reach.note(f"output: a trajectory ({params.return_trajectory})")

@@ -41,6 +41,7 @@ from diffusion_runtime.testing.profiles import harness_settings
 from diffusion_runtime.testing.replay import ChoiceRecorder, record_failure
 from diffusion_runtime.testing.replay_file import NotReplayable, TargetRecipe
 from diffusion_runtime.testing.runner_mutations import RUNNER_MUTATIONS
+from diffusion_runtime.testing.schedule_mutations import SCHEDULE_MUTATIONS
 from diffusion_runtime.testing.sleep_mutations import SLEEP_MUTATIONS
 from diffusion_runtime.testing.stage_mutations import STAGE_MUTATIONS
 from diffusion_runtime.testing.targets import harness_for
@@ -282,6 +283,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     *LORA_MUTATIONS,
     *SLEEP_MUTATIONS,
     *OUTPUT_MUTATIONS,
+    *SCHEDULE_MUTATIONS,
 )
 
 

@@ -30,8 +30,9 @@ MAX_SIZE = 256
 class SeededNoisePipeline:
     """A toy denoiser: seeded noise pulled step by step toward a pattern set by the prompt.
 
-    The output depends on the prompt, the seed, the step count, the guidance
-    scale and ``extra_args["noise"]``, and on nothing else. With that noise
+    The output depends on the prompt, the seed, the step count (or custom
+    ``timesteps``), the guidance scale and ``extra_args["noise"]``, and on
+    nothing else. With that noise
     ``s`` > 0 (at most 1), every step but the last adds ``s`` times standard
     normal noise from the request's generator and reports its log-density
     (``step_log_prob``), as a stochastic sampler does. It implements both the
@@ -41,6 +42,9 @@ class SeededNoisePipeline:
 
     supports_request_batch = True
     supports_output_options = True
+    #: Custom ``timesteps`` replace the countdown ``num_inference_steps, ..., 1``
+    #: that weighs each step's pull.
+    custom_schedules = frozenset({"timesteps"})
 
     def __init__(
         self,
@@ -62,6 +66,7 @@ class SeededNoisePipeline:
             if value is not None and value > MAX_SIZE:
                 fail(self, field, f"must be at most {MAX_SIZE}", value)
         noise_scale(params)
+        countdown(params)
 
     def warmup_request(self) -> tuple[Any, SamplingParams]:
         return "warm-up", SamplingParams(num_inference_steps=1, seed=0)
@@ -82,7 +87,7 @@ class SeededNoisePipeline:
         return StepRequestState(
             request=request,
             latents=noise,
-            timesteps=list(range(params.num_inference_steps, 0, -1)),
+            timesteps=countdown(params),
             conditioning=target,
         )
 
@@ -252,6 +257,17 @@ def noise_scale(params: SamplingParams) -> float:
         rule = "must be a number in [0, 1]"
         raise InvalidFieldError("SeededNoisePipeline", "extra_args['noise']", rule, scale)
     return float(scale)
+
+
+def countdown(params: SamplingParams) -> list[int]:
+    """A testing pipeline's timesteps: its custom ``timesteps`` (whole numbers), checked,
+    else ``num_inference_steps, ..., 1``."""
+    if params.timesteps is None:
+        return list(range(params.num_inference_steps, 0, -1))
+    if not all(float(t).is_integer() for t in params.timesteps):
+        rule = "must be whole numbers"
+        raise InvalidFieldError("SeededNoisePipeline", "timesteps", rule, params.timesteps)
+    return [int(t) for t in params.timesteps]
 
 
 def _draws_noise(state: StepRequestState, scale: float) -> bool:

@@ -16,6 +16,16 @@ OUTPUT_OPTIONS: dict[str, st.SearchStrategy[Any]] = {
 }
 
 
+def custom_timesteps(steps: tuple[int, int]) -> st.SearchStrategy[tuple[int, ...] | None]:
+    """``None``, or strictly decreasing whole timesteps in ``[0, 12]``, as many as
+    ``steps`` allows (what the testing pipelines take): the choice is an integer drawn
+    in ``[0, 2]``, 0 giving timesteps (which leaves the other draws' reach of the
+    ``outputs`` target well above its required counts)."""
+    lists = st.lists(st.integers(0, 12), min_size=steps[0], max_size=steps[1], unique=True)
+    custom = lists.map(lambda values: tuple(sorted(values, reverse=True)))
+    return st.integers(0, 2).flatmap(lambda pick: custom if pick == 0 else st.none())
+
+
 def sampling_params(
     *,
     steps: tuple[int, int] = (1, 3),
@@ -26,12 +36,14 @@ def sampling_params(
     priorities: tuple[int, int] = (0, 0),
     deadlines: st.SearchStrategy[float | None] | None = None,
     output_options: bool = False,
+    schedules: bool = False,
 ) -> st.SearchStrategy[SamplingParams]:
     """Valid, cheap sampling parameters with an explicit seed; ``priorities``
     bounds the drawn ``priority`` (a preemptive policy preempts on it) and
     ``deadlines`` draws ``deadline_s`` (default: no deadline). With
     ``output_options``, ``output_type`` and ``return_trajectory`` are drawn too,
     and ``extra_args={"noise": ...}`` (the testing pipelines' stochastic steps).
+    With ``schedules``, some requests bring :func:`custom_timesteps`.
 
     Small seed and step ranges make equal requests likely, which lets the
     identity checks compare outputs of equal inputs in different batches.
@@ -49,6 +61,7 @@ def sampling_params(
             priority=st.integers(*priorities),
             deadline_s=deadlines if deadlines is not None else st.none(),
             **(OUTPUT_OPTIONS if output_options else {}),
+            **({"timesteps": custom_timesteps(steps)} if schedules else {}),
         )
 
     return st.sampled_from(sizes or [None]).flatmap(with_size)

@@ -110,7 +110,7 @@ def preempt_harness() -> type[CoreLifecycleMachine]:
 
 def outputs_harness(mode: str) -> type[CoreLifecycleMachine]:
     """The core harness with output options drawn per request (latents, trajectories,
-    stochastic steps with log-probabilities): in step mode under the preemptive
+    stochastic steps with log-probabilities, custom timesteps): in step mode under the preemptive
     priority policy with host offload, so trajectories resume mid-way; in request
     mode in batched waves."""
     policy, offload = ("priority", 16 * 2**10) if mode == "step" else ("fifo", 0)
@@ -125,6 +125,7 @@ def outputs_harness(mode: str) -> type[CoreLifecycleMachine]:
             guidance=[1.0, 2.0],
             priorities=(0, 3) if mode == "step" else (0, 0),
             output_options=True,
+            schedules=True,
         ),
     )
 

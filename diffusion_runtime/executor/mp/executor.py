@@ -170,12 +170,13 @@ class MultiprocExecutor(DiffusionExecutor):
         """Check a request at admission, on rank 0's side thread.
 
         The check does not queue behind a running wave, and costs nothing when
-        the pipeline has no ``validate_request``. Either way the prompt and
+        the pipeline has no ``validate_request`` and the request asks for images
+        alone. Either way the prompt and
         params must pickle, or they could never reach the workers.
         """
         check_request_input(prompt, params)
         payload = serialised_request(prompt, params, dumps, "worker processes")
-        if not self._rank0_validates:
+        if not (self._rank0_validates or params.needs_pipeline_support):
             return
         self.check_health()
         call = self._calls.open_rpc("validate_request", (0,))

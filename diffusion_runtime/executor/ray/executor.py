@@ -129,7 +129,7 @@ class RayExecutor(DiffusionExecutor):
         """
         check_request_input(prompt, params)
         serialised_request(prompt, params, _serialise, "Ray worker actors")
-        if not self._validates:
+        if not (self._validates or params.needs_pipeline_support):
             return
         self._check_usable()
         self._results([self._actors[0].validate.remote(prompt, params)], None, "validate_request")

@@ -11,6 +11,11 @@ import torch
 from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.pipelines.diffusers.family import Family
 from diffusion_runtime.pipelines.diffusers.scheduler_steps import seed_noise_sampler
+from diffusion_runtime.pipelines.diffusers.schedules import (
+    check_schedule,
+    schedules_taken,
+    set_schedule,
+)
 from diffusion_runtime.pipelines.diffusers.step_groups import StepGroup, plan_groups
 from diffusion_runtime.pipelines.diffusers.step_probe import steps_stack_exactly
 from diffusion_runtime.pipelines.diffusers.support import family_for
@@ -49,6 +54,10 @@ class DiffusersPipeline:
     exactly ``R`` rows, so a request's images are bit-identical whatever it
     is batched with, and differ from diffusers' own output by that rounding.
 
+    ``SamplingParams.timesteps`` and ``sigmas`` reach the scheduler's
+    ``set_timesteps`` as diffusers' pipelines pass them, where it takes them
+    (:attr:`custom_schedules`); elsewhere they are refused at admission.
+
     The pipeline object is moved to ``device``. See :data:`SUPPORTED_PIPELINES`.
 
     ``source``, when given, builds the same diffusers pipeline again (from the
@@ -83,6 +92,10 @@ class DiffusersPipeline:
             # An instance attribute: the runtime looks the optional member up by name.
             self.reload_weights = lambda: self._reload(source)
         self._scheduler_template = copy.deepcopy(pipe.scheduler)
+        #: The custom schedules the scheduler's ``set_timesteps`` takes, found as
+        #: diffusers' ``retrieve_timesteps`` finds them (an instance attribute: the
+        #: runtime looks it up by name).
+        self.custom_schedules = schedules_taken(self._scheduler_template)
         #: Whether requests at the same step share one scheduler step (see :meth:`step_batch`).
         self.stacks_scheduler_steps = steps_stack_exactly(
             self._scheduler_template, self.family.min_inference_steps
@@ -100,6 +113,7 @@ class DiffusersPipeline:
     def validate_request(self, prompt: Prompt, params: SamplingParams) -> None:
         """Reject, naming the field, what the wrapped pipeline cannot serve."""
         self.family.validate(prompt, params)
+        check_schedule(self._scheduler_template, params, self.family.owner)
         if params.return_trajectory == "full":
             rule = "'full' needs log-probabilities, which diffusers schedulers do not give yet"
             raise InvalidFieldError(_OWNER, "return_trajectory", rule, params.return_trajectory)
@@ -124,7 +138,7 @@ class DiffusersPipeline:
         family.validate(request.prompt, params)
         scheduler = copy.deepcopy(self._scheduler_template)
         device = self.device if family.timesteps_on_device else None
-        scheduler.set_timesteps(params.num_inference_steps, device=device)
+        set_schedule(scheduler, params, device)
         latents, encoded = family.encode(request, scheduler, family.image_size(params))
         seed_noise_sampler(scheduler, request.generator)  # after the latents, as diffusers draws
         return StepRequestState(

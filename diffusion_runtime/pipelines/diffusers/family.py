@@ -114,6 +114,14 @@ class Family(abc.ABC):
     def validate(self, prompt: Prompt, params: SamplingParams) -> None:
         """Raise :class:`InvalidFieldError` naming the first field this pipeline cannot serve."""
         self.check_prompt(prompt)
+        if params.custom_schedule is None:
+            self._check_step_count(params)
+        self.image_size(params)
+        self.eta(params)
+
+    def _check_step_count(self, params: SamplingParams) -> None:
+        """``num_inference_steps`` within what the scheduler runs (a custom schedule is
+        checked against the scheduler itself, see :mod:`.schedules`)."""
         if params.num_inference_steps < self.min_inference_steps:
             rule = (
                 f"must be at least {self.min_inference_steps} "
@@ -124,8 +132,6 @@ class Family(abc.ABC):
         if train_steps is not None and params.num_inference_steps > train_steps:
             rule = f"must be at most {train_steps} (the scheduler's training timesteps)"
             self.fail("num_inference_steps", rule, params.num_inference_steps)
-        self.image_size(params)
-        self.eta(params)
 
     def image_size(self, params: SamplingParams) -> tuple[int, int]:
         """The requested ``(height, width)``: only the native size unless a family allows more."""

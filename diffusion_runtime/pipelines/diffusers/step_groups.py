@@ -1,7 +1,7 @@
 """Requests that share a scheduler step: same schedule, same step, stacked latents.
 
 A :class:`StepGroup` holds requests whose scheduler copies are interchangeable
-for the next step (same template, step count, step index and scalar state,
+for the next step (same template, step count or custom schedule, step index and scalar state,
 same latent row shape, guidance and step arguments), with their latents in
 one tensor that lives as long as the running set is unchanged. The adapter
 calls the denoiser once for all groups and each group's lead scheduler once
@@ -77,8 +77,10 @@ def _group_key(state: StepRequestState) -> Hashable:
         # are one draw of N rows, which only a step of its own repeats.
         return id(state)
     latents = state.latents
+    params = state.request.params
     return (
-        state.request.params.num_inference_steps,
+        params.num_inference_steps,
+        params.custom_schedule,
         state.step_index,
         tuple(latents.shape[1:]),
         latents.dtype,

@@ -76,7 +76,7 @@ class DigitsPipeline:
     """Class-conditional diffusion model of 8x8 digits (a residual MLP, ~1.3M parameters).
 
     Prompts are digits (``3`` or ``"3"``). Honours ``num_inference_steps``
-    (DDIM; ``extra_args={"eta": e}`` with ``e`` in [0, 1] makes its steps
+    or custom ``timesteps`` (DDIM; ``extra_args={"eta": e}`` with ``e`` in [0, 1] makes its steps
     stochastic, default 0), ``guidance_scale`` (classifier-free guidance when > 1),
     ``num_outputs_per_prompt`` and square ``height``/``width`` (nearest-neighbour
     upscaling). All randomness comes from each request's generator, and every
@@ -85,6 +85,9 @@ class DigitsPipeline:
 
     supports_request_batch = True
     supports_output_options = True
+    #: ``SamplingParams.timesteps``: integer training timesteps in ``[0, T - 1]``
+    #: (no sigmas: the model knows only its discrete training timesteps).
+    custom_schedules = frozenset({"timesteps"})
 
     def __init__(
         self, device: torch.device | str = "cpu", weights_dir: str | Path | None = None
@@ -151,7 +154,7 @@ class DigitsPipeline:
         """Reject what this pipeline cannot serve, naming the field."""
         parse_digit(prompt)
         steps = params.num_inference_steps
-        if steps > self.config.num_train_timesteps:
+        if params.timesteps is None and steps > self.config.num_train_timesteps:
             rule = f"must be at most {self.config.num_train_timesteps} (the training timesteps)"
             raise InvalidFieldError(_OWNER, "num_inference_steps", rule, steps)
         if params.guidance_scale > MAX_GUIDANCE:
@@ -159,6 +162,18 @@ class DigitsPipeline:
             raise InvalidFieldError(_OWNER, "guidance_scale", rule, params.guidance_scale)
         output_size(params)
         eta_of(params)
+        self.schedule(params)
+
+    def schedule(self, params: SamplingParams) -> list[int]:
+        """The request's timesteps: its own ``timesteps`` (checked), else
+        ``num_inference_steps`` evenly spaced ones."""
+        train = self.config.num_train_timesteps
+        if params.timesteps is None:
+            return ddim_timesteps(params.num_inference_steps, train)
+        if not all(t < train and float(t).is_integer() for t in params.timesteps):
+            rule = f"must be whole numbers in [0, {train - 1}] (the training timesteps)"
+            raise InvalidFieldError(_OWNER, "timesteps", rule, params.timesteps)
+        return [int(t) for t in params.timesteps]
 
     def warmup_request(self) -> tuple[Prompt, SamplingParams]:
         """A cheap request that exercises the whole sampling path."""
@@ -175,7 +190,7 @@ class DigitsPipeline:
         count = params.num_outputs_per_prompt
         generator = request.generator
         noise = torch.randn(count, PIXELS, generator=generator, device=generator.device)
-        timesteps = ddim_timesteps(params.num_inference_steps, self.config.num_train_timesteps)
+        timesteps = self.schedule(params)
         labels = torch.full((count,), digit, dtype=torch.long, device=self.device)
         return StepRequestState(
             request=request,
@@ -358,11 +373,12 @@ class _StepGroup:
 
 
 def _plan_groups(states: Sequence[StepRequestState], null_class: int) -> list[_StepGroup]:
-    members: dict[tuple[int, int, float, float], list[StepRequestState]] = {}
+    members: dict[tuple[Any, ...], list[StepRequestState]] = {}
     for state in states:
         params = state.request.params
         eta = state.scheduler.eta
-        key = (params.num_inference_steps, state.step_index, params.guidance_scale, eta)
+        schedule = (params.num_inference_steps, params.timesteps)
+        key = (schedule, state.step_index, params.guidance_scale, eta)
         members.setdefault(key, []).append(state)
     groups = []
     for group in members.values():
