@@ -486,6 +486,13 @@ class DiffusionEngine:
     def is_closed(self) -> bool:
         return self._closed
 
+    @property
+    def unfinished_request_ids(self) -> frozenset[str]:
+        """Requests admitted whose final output has not been delivered (a grouped
+        request's children by their own ids; the parents are ``groups.active_ids``)."""
+        with self._changed:
+            return frozenset(self._routes.sinks)
+
     def snapshot(self) -> EngineSnapshot:
         """Per-request state held by the scheduler, the runner, the executor and the
         front's unread streams, taken between two steps (so all parts agree)."""
