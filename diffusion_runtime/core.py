@@ -118,7 +118,8 @@ class EngineSnapshot:
     """What the engine and its workers hold right now, by request id (for checks and audits).
 
     ``runner_offloaded_ids`` are the ``runner_cached_ids`` whose state is in host
-    memory (``EngineConfig.preempted_offload_bytes``).
+    memory (``EngineConfig.preempted_offload_bytes``). ``group_ids`` are the
+    in-process engine's grouped requests whose final output is not delivered.
     """
 
     scheduler_ids: frozenset[str]
@@ -127,6 +128,7 @@ class EngineSnapshot:
     runner_cached_ids: frozenset[str]
     unclaimed_stream_ids: frozenset[str]
     runner_offloaded_ids: frozenset[str] = frozenset()
+    group_ids: frozenset[str] = frozenset()
 
 
 @attrs.frozen

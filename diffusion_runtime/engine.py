@@ -30,16 +30,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import attrs
 
 from diffusion_runtime.admission import RequestMinter
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.core import EngineCore, EngineSnapshot, EngineState, StepResult
+from diffusion_runtime.engine_groups import EngineGroups
 from diffusion_runtime.errors import (
+    DuplicateRequestError,
     EngineClosedError,
     EngineDeadError,
+    InvalidFieldError,
     QueueFullError,
     RPCError,
     describe_error,
@@ -51,6 +54,7 @@ from diffusion_runtime.fsm import RequestMachine
 from diffusion_runtime.fsm.audit import Auditor
 from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.request_groups import checked_group_prompts, child_request_id
 from diffusion_runtime.routes import OutputRoutes
 from diffusion_runtime.runner.worker import Worker
 from diffusion_runtime.sampling_params import SamplingParams, checked_params, prompts_and_params
@@ -81,6 +85,9 @@ class _ControlCall:
 _NewRequest = tuple[str, Any, SamplingParams, int, float]
 
 _NO_STEP = StepResult([], False, None)
+
+#: ``add_request``'s ``prompt`` when not given (``None`` is a prompt).
+_NO_PROMPT: Any = object()
 
 
 class DiffusionEngine:
@@ -115,6 +122,8 @@ class DiffusionEngine:
         self._closed = False
         self._fatal: EngineDeadError | None = None
         self._close_lock = threading.Lock()
+        #: Grouped requests (``add_request(prompts=[...])``): parents over a child per prompt.
+        self.groups = EngineGroups(self._abort_children, self._notify)
 
     @classmethod
     def make_engine(cls, config: EngineConfig, **kwargs: Any) -> DiffusionEngine:
@@ -174,18 +183,42 @@ class DiffusionEngine:
 
     # -- requests ------------------------------------------------------------------------
 
+    @overload
     def generate(
         self,
         prompts: list[Any] | tuple[Any, ...] | Any,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         timeout: float | None = None,
-    ) -> list[RequestOutput]:
+        group: Literal[False] = False,
+    ) -> list[RequestOutput]: ...
+
+    @overload
+    def generate(
+        self,
+        prompts: list[Any] | tuple[Any, ...],
+        params: SamplingParams | None = None,
+        *,
+        timeout: float | None = None,
+        group: Literal[True],
+    ) -> RequestOutput: ...
+
+    def generate(
+        self,
+        prompts: list[Any] | tuple[Any, ...] | Any,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        timeout: float | None = None,
+        group: bool = False,
+    ) -> list[RequestOutput] | RequestOutput:
         """Run ``prompts`` to completion and return one final output per prompt, in order.
 
         ``prompts`` is a list or tuple of prompts; anything else is one prompt.
         ``params`` is one :class:`SamplingParams` for all prompts or one per
-        prompt. A request that fails or is aborted yields an output saying why.
+        prompt. With ``group=True`` the prompts (a list or tuple) run as one
+        grouped request, with one ``params`` and one seed, and the call returns
+        its one merged output (see :meth:`add_request` and ``docs/outputs.md``).
+        A request that fails or is aborted yields an output saying why.
         The call raises for bad input (before anything is admitted), a full
         queue, ``timeout`` expiry, and the engine closing or dying meanwhile.
         Unless a loop thread drives the engine (the async API started one),
@@ -194,6 +227,15 @@ class DiffusionEngine:
         self._refuse_reentry("generate()")
         timeout = checked_timeout(timeout, owner="generate")
         deadline = None if timeout is None else time.monotonic() + timeout
+        if group:
+            if params is not None and not isinstance(params, SamplingParams):
+                rule = "must be one SamplingParams with group=True (the prompts share it)"
+                raise InvalidFieldError("generate", "params", rule, params)
+            parent_id, children = self._new_group(prompts, params, None)
+            ids = [parent_id]
+            waiter = GenerateWaiter(ids)
+            self._admit_group(parent_id, children, waiter)
+            return self._wait_for(ids, waiter, deadline, timeout)[0]
         prompt_list, params_list = prompts_and_params(prompts, params)
         requests = [
             self._new_request(prompt, p, None)
@@ -202,6 +244,17 @@ class DiffusionEngine:
         ids = [request[0] for request in requests]
         waiter = GenerateWaiter(ids)
         self._admit(requests, waiter)
+        return self._wait_for(ids, waiter, deadline, timeout)
+
+    def _wait_for(
+        self,
+        ids: list[str],
+        waiter: GenerateWaiter,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> list[RequestOutput]:
+        """Drive (or wait) until ``waiter`` has every final output of ``ids``; abort
+        them if the call ends any other way."""
         try:
             if not self._run_until(lambda: waiter.done, deadline):
                 raise TimeoutError(f"generate did not finish within {timeout} s")
@@ -215,17 +268,43 @@ class DiffusionEngine:
 
     async def add_request(
         self,
-        prompt: Any,
+        prompt: Any = _NO_PROMPT,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        prompts: Sequence[Any] | None = None,
     ) -> str:
         """Admit one request and return its id; read its outputs with :meth:`stream`.
+
+        With ``prompts`` (a list or tuple of 1 to 256 prompts) instead of
+        ``prompt``, the request is a *grouped* one: a parent over one child
+        request per prompt (``<request_id>/<index>``), all with ``params`` and
+        one seed. Its stream yields one final output that merges its
+        children's (images, latents and trajectories in prompt order); the
+        first child that fails or is aborted ends it and aborts the others,
+        and aborting it aborts every child (see ``docs/outputs.md``).
 
         Outputs are held for the caller until :meth:`stream` reads them, even
         when the request is aborted or finishes first. Validation that needs a
         worker process runs off the event loop.
         """
         loop = asyncio.get_running_loop()
+        if prompts is not None:
+            if prompt is not _NO_PROMPT:
+                rule = "must not be given with prompt (one prompt, or a grouped request's prompts)"
+                raise InvalidFieldError("request", "prompts", rule, prompts)
+            if self.core.validates_in_process:
+                parent_id, children = self._new_group(prompts, params, request_id)
+            else:
+                parent_id, children = await loop.run_in_executor(
+                    None, self._new_group, prompts, params, request_id
+                )
+            stream = AsyncStream(loop, self._note_wake)
+            self._admit_group(parent_id, children, stream, stream)
+            self._ensure_loop_thread()
+            return parent_id
+        if prompt is _NO_PROMPT:
+            raise InvalidFieldError("request", "prompt", "is required (or prompts)", None)
         if self.core.validates_in_process:
             request = self._new_request(prompt, params, request_id)
         else:
@@ -270,14 +349,29 @@ class DiffusionEngine:
             if targets:
                 self.core.abort(targets, reason)
                 self._changed.notify_all()
+        for request_id in ids:  # a grouped request's terminal hook aborts its children
+            self.groups.abort(request_id, reason)
 
     def _abort_for(self, request_ids: Iterable[str], sink: OutputSink, reason: str) -> None:
         """Abort those of ``request_ids`` whose outputs still go to ``sink``."""
+        ids = list(request_ids)
         with self._changed:
-            targets = [rid for rid in request_ids if self._routes.sink_of(rid) is sink]
+            targets = [rid for rid in ids if self._routes.sink_of(rid) is sink]
             if targets and self._fatal is None and not self._closed:
                 self.core.abort(targets, reason)
                 self._changed.notify_all()
+        for request_id in ids:
+            self.groups.abort(request_id, reason, sink)
+
+    def _abort_children(self, child_ids: list[str], reason: str) -> None:
+        """A grouped request ended: abort its children still running (unless the
+        engine is ending, which ends them all)."""
+        if self._fatal is None and not self._closed:
+            self.core.abort(child_ids, reason)
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
     # -- control -------------------------------------------------------------------------
 
@@ -392,6 +486,13 @@ class DiffusionEngine:
     def is_closed(self) -> bool:
         return self._closed
 
+    @property
+    def unfinished_request_ids(self) -> frozenset[str]:
+        """Requests admitted whose final output has not been delivered (a grouped
+        request's children by their own ids; the parents are ``groups.active_ids``)."""
+        with self._changed:
+            return frozenset(self._routes.sinks)
+
     def snapshot(self) -> EngineSnapshot:
         """Per-request state held by the scheduler, the runner, the executor and the
         front's unread streams, taken between two steps (so all parts agree)."""
@@ -400,7 +501,9 @@ class DiffusionEngine:
             snapshot = self.core.snapshot()
             with self._changed:
                 unclaimed = frozenset(self._routes.unclaimed)
-            return attrs.evolve(snapshot, unclaimed_stream_ids=unclaimed)
+            return attrs.evolve(
+                snapshot, unclaimed_stream_ids=unclaimed, group_ids=self.groups.active_ids
+            )
 
         self._refuse_reentry("snapshot()")
         if self._closed or self._fatal is not None:
@@ -437,6 +540,29 @@ class DiffusionEngine:
         self.core.validate(prompt, params)
         return (request_id, prompt, params, self._minter.seed(params), self.core.clock())
 
+    def _new_group(
+        self, prompts: object, params: SamplingParams | None, request_id: str | None
+    ) -> tuple[str, list[_NewRequest]]:
+        """A grouped request's id and its children, checked: one seed and one
+        arrival for all. A prompt the pipeline refuses is named by its index."""
+        self._check_open()
+        prompt_list = checked_group_prompts(prompts)
+        params = checked_params(params)
+        parent_id = self._minter.request_id(request_id)
+        for index, prompt in enumerate(prompt_list):
+            try:
+                self.core.validate(prompt, params)
+            except InvalidFieldError as exc:
+                if exc.field != "prompt":
+                    raise
+                raise InvalidFieldError(exc.owner, f"prompts[{index}]", exc.rule, prompt) from None
+        seed, arrival = self._minter.seed(params), self.core.clock()
+        children = [
+            (child_request_id(parent_id, index), prompt, params, seed, arrival)
+            for index, prompt in enumerate(prompt_list)
+        ]
+        return parent_id, children
+
     def _admit(
         self, requests: list[_NewRequest], sink: OutputSink, stream: AsyncStream | None = None
     ) -> None:
@@ -445,16 +571,50 @@ class DiffusionEngine:
         An id is taken from admission until its final output is delivered, and
         after that while an ``add_request`` stream holds it unread.
         """
-        limit = self.config.max_waiting_requests
         with self._changed:
-            self._check_open()
-            self._routes.check_free(request[0] for request in requests)
-            if limit is not None and self.queue_length + len(requests) > limit:
-                raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
-            for request in requests:
-                self.core.add_request(*request)
+            self._queue_for_core(requests)
             self._routes.open({request[0]: sink for request in requests}, stream)
             self._changed.notify_all()
+
+    def _admit_group(
+        self,
+        parent_id: str,
+        children: list[_NewRequest],
+        sink: OutputSink,
+        stream: AsyncStream | None = None,
+    ) -> None:
+        """Queue a grouped request's children for the core and start its parent,
+        whose final output goes to ``sink`` (or none of it). The parent's id is
+        taken as a request's is."""
+        with self._changed:
+            self._check_taken_by_group(parent_id)
+            self._routes.check_free([parent_id])
+            self._queue_for_core(children)
+            child_ids = [child[0] for child in children]
+            child_sink = self.groups.open(parent_id, child_ids, children[0][3], sink)
+            self._routes.open(dict.fromkeys(child_ids, child_sink))
+            if stream is not None:
+                self._routes.unclaimed[parent_id] = stream
+            self._changed.notify_all()
+
+    def _queue_for_core(self, requests: list[_NewRequest]) -> None:
+        """Check that the ids are free and the queue has room, then queue them all
+        (under the lock)."""
+        limit = self.config.max_waiting_requests
+        self._check_open()
+        self._routes.check_free(request[0] for request in requests)
+        for request in requests:
+            self._check_taken_by_group(request[0])
+        if limit is not None and self.queue_length + len(requests) > limit:
+            raise QueueFullError(f"waiting queue is full ({limit} requests); retry later")
+        for request in requests:
+            self.core.add_request(*request)
+
+    def _check_taken_by_group(self, request_id: str) -> None:
+        if self.groups.is_taken(request_id):
+            raise DuplicateRequestError(
+                f"request id {request_id!r} is taken: its grouped request is active"
+            )
 
     def run_once(self) -> bool:
         """Drive the core once on this thread: run the control calls queued so far,

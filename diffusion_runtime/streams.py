@@ -173,3 +173,22 @@ class GenerateWaiter:
     def fail(self, error: BaseException) -> None:
         if self._error is None:
             self._error = error
+
+
+class FinalOutputFuture:
+    """The sink of a call that awaits one final output (the stage's batch request):
+    it resolves ``future`` with the output, or fails it with the error; once the
+    future is done (or cancelled by its caller), later pushes are dropped."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future[RequestOutput]) -> None:
+        self.future = future
+
+    def push(self, output: RequestOutput) -> None:
+        if output.finished and not self.future.done():
+            self.future.set_result(output)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)

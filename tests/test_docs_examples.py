@@ -266,3 +266,9 @@ def test_the_outputs_guide_rl_example_prints_what_it_says(tmp_path: Path) -> Non
     guide = DOCS / "outputs.md"
     out = run_block(tmp_path, guide, 'return_trajectory="full"')
     assert out == documented_text_block(guide, "It prints:")
+
+
+def test_the_outputs_guide_grouped_example_prints_what_it_says(tmp_path: Path) -> None:
+    guide = DOCS / "outputs.md"
+    out = run_block(tmp_path, guide, "group=True")
+    assert out == documented_text_block(guide, "The grouped example prints:")

@@ -101,6 +101,7 @@ FAST_SUBSET = {
     "trajectory-last-step-dropped",
     "trajectory-of-a-batch-mate",
     "custom-timesteps-ignored-on-join",
+    "group-merge-drops-last-child",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -234,6 +235,12 @@ REQUIRED_REACH = {
     "front": {
         "path: close with blocked readers": 5,
         "path: consumer dropped while its request was active": 5,
+        # The batch rules over the engine's grouped requests (200 examples a mode).
+        "rule: batch of prompts": 100,
+        "path: a batch parent completed": 50,
+        "path: a batch parent with a failing child": 20,
+        "path: a batch parent aborted before its children were admitted": 20,
+        "path: a RUNNING batch parent aborted": 20,
     },
     "lockstep": {
         "path: close with blocked readers": 5,

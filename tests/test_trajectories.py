@@ -203,16 +203,28 @@ def test_the_stage_carries_latents_and_trajectories_as_raw_frames(
                 finals.append([o async for o in client.stream(request_id)][-1])
             return finals
 
-    async def batch_refused() -> None:
+    async def batch() -> RequestOutput:
         async with StageClient(config(execution_mode="step")) as client:
-            with pytest.raises(InvalidFieldError, match="return_trajectory is not merged"):
-                await client.add_batch_request(["1", "2"], RL)
-            assert await client.queue_length() == 0
+            return await client.add_batch_request(["3", "3"], RL)
 
     rl, latent = asyncio.run(scenario())
-    asyncio.run(batch_refused())
+    merged = asyncio.run(batch())
     assert_same(rl, alone["3"])
     assert_same(latent, alone["7"])
+    # A batch's parent concatenates its prompts' outputs along the batch dimension N.
+    one = alone["3"]
+    assert one.image_batch is not None and one.trajectory is not None
+    assert one.trajectory.log_probs is not None
+    twice = attrs.evolve(
+        one,
+        image_batch=torch.cat([one.image_batch] * 2),
+        trajectory=attrs.evolve(
+            one.trajectory,
+            latents=torch.cat([one.trajectory.latents] * 2, dim=1),
+            log_probs=torch.cat([one.trajectory.log_probs] * 2, dim=1),
+        ),
+    )
+    assert_same(merged, twice)
 
 
 @pytest.fixture

@@ -31,10 +31,10 @@ from diffusion_runtime.executor.rpc_checks import checked_method, checked_timeou
 from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine
 from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.request_groups import RequestGroup, checked_group_prompts, child_request_id
 from diffusion_runtime.routes import OutputRoutes
 from diffusion_runtime.runner.sleep import checked_sleep_level
 from diffusion_runtime.sampling_params import SamplingParams, checked_params, prompts_and_params
-from diffusion_runtime.stage.batch import BatchRequest, child_request_id
 from diffusion_runtime.stage.codec import (
     error_from_msg,
     lora_to_msg,
@@ -74,7 +74,7 @@ from diffusion_runtime.stage.messages import (
 )
 from diffusion_runtime.stage.proc import DEFAULT_MAX_FRAME_BYTES
 from diffusion_runtime.stage.process import DRAIN_S, StageProcess
-from diffusion_runtime.streams import AsyncStream, OutputSink, read_stream
+from diffusion_runtime.streams import AsyncStream, FinalOutputFuture, OutputSink, read_stream
 from diffusion_runtime.validation import bounded_input
 
 logger = logging.getLogger(__name__)
@@ -130,8 +130,8 @@ class StageClient:
         #: (its stream, or its batch's parent), and the streams nobody claimed yet.
         self._routes = OutputRoutes()
         #: Batch parents whose final output is not delivered yet.
-        self._batches: dict[str, BatchRequest] = {}
-        self._batch_machine: RequestMachine[BatchRequest] = RequestMachine()
+        self._batches: dict[str, RequestGroup] = {}
+        self._batch_machine: RequestMachine[RequestGroup] = RequestMachine()
         self._batch_machine.add_hook(Hook.TERMINAL, self._abort_children)
         self._admissions: dict[str, asyncio.Future[None]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -212,7 +212,7 @@ class StageClient:
         return frozenset(self._routes.sinks)
 
     @property
-    def batch_machine(self) -> RequestMachine[BatchRequest]:
+    def batch_machine(self) -> RequestMachine[RequestGroup]:
         """The lifecycle machine of batch parents: ``batch_machine.subscribe(fn)``
         receives each parent's transitions (their prompts' are in the stage)."""
         return self._batch_machine
@@ -316,21 +316,15 @@ class StageClient:
 
         Each prompt is a request of its own in the stage (``<request_id>/<index>``),
         all with ``params`` and one seed; the batch is their parent, with a
-        lifecycle of its own (see :mod:`diffusion_runtime.stage.batch`). It
-        completes when every prompt did, with all their images in prompt
-        order; the first prompt that fails (or is aborted) ends it, with an
-        error naming the prompt's index, and aborts the others.
+        lifecycle of its own (see :mod:`diffusion_runtime.request_groups`). It
+        completes when every prompt did, with all their images (and latents and
+        trajectories, when asked for) in prompt order; the first prompt that
+        fails (or is aborted) ends it, with an error naming the prompt's index,
+        and aborts the others.
         """
         request_id = self._minter.request_id(request_id)
         params = checked_params(params)
-        prompt_list = list(prompts)
-        if not prompt_list:
-            raise InvalidFieldError("request", "prompts", "must not be empty", prompt_list)
-        bounded_input("request", "prompts", prompt_list)
-        if not params.decodes or params.return_trajectory:
-            field = "return_trajectory" if params.decodes else "output_type"
-            rule = "is not merged into a batch request's output yet; send the prompts apart"
-            raise InvalidFieldError("SamplingParams", field, rule, getattr(params, field))
+        prompt_list = checked_group_prompts(prompts)
         child_ids = [child_request_id(request_id, i) for i in range(len(prompt_list))]
         self._check_free([request_id, *child_ids])
         self._open_stage()  # a parent is born only if the stage can take its prompts
@@ -339,7 +333,9 @@ class StageClient:
             request_id, child_ids, prompt_list, params_to_msg(params), [seed] * len(child_ids)
         )
         result: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
-        batch = BatchRequest(request_id, child_ids, seed, self._batch_machine, result)
+        batch = RequestGroup(
+            request_id, child_ids, seed, self._batch_machine, FinalOutputFuture(result)
+        )
         self._batches[request_id] = batch
         result.add_done_callback(lambda _: self._batches.pop(request_id, None))
         try:
@@ -353,7 +349,7 @@ class StageClient:
             result.exception()  # read: the caller gets ``exc`` from here
             raise
         try:
-            return await asyncio.shield(batch.result)
+            return await asyncio.shield(result)
         except asyncio.CancelledError:
             self.abort(request_id, "the caller stopped waiting")
             raise
@@ -378,7 +374,7 @@ class StageClient:
         if self._routes.sink_of(request_id) is stream:
             self._send_abort([request_id], "the consumer stopped reading")
 
-    def _abort_children(self, batch: BatchRequest, event: LifecycleEvent) -> None:
+    def _abort_children(self, batch: RequestGroup, event: LifecycleEvent) -> None:
         """The terminal hook of a batch parent: abort the prompts still running."""
         self._send_abort(batch.live_child_ids, event.reason or "its batch ended")
 

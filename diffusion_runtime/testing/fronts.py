@@ -21,9 +21,14 @@ import attrs
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.core import EngineSnapshot
 from diffusion_runtime.engine import DiffusionEngine
+from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.fsm.events import LifecycleEvent, TraceEvent
 from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.request_groups import child_request_id
 from diffusion_runtime.sampling_params import SamplingParams
+
+#: How often :meth:`EngineFront.batch_started` looks at the parents' transitions.
+STARTED_POLL_S = 0.001
 
 
 @attrs.frozen
@@ -155,7 +160,8 @@ def admit_while_held(
 
 class EngineFront:
     """A :class:`DiffusionEngine` in this process: every capability (``die`` when a
-    ``worker_killer`` is given)."""
+    ``worker_killer`` is given). Its batches are the engine's grouped requests
+    (``add_request(prompts=[...])``), a :class:`BatchFront`."""
 
     def __init__(
         self,
@@ -173,7 +179,10 @@ class EngineFront:
             live_events=True,
             die=worker_killer is not None,
             held_messages_together=True,
+            batches=True,
         )
+        self._batch_events: list[LifecycleEvent] = []
+        engine.groups.machine.subscribe(self._on_batch_event)
 
     @property
     def config(self) -> EngineConfig:
@@ -193,6 +202,41 @@ class EngineFront:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    async def add_batch(
+        self, prompts: Sequence[Any], params: SamplingParams, request_id: str
+    ) -> RequestOutput:
+        rid = await self.engine.add_request(
+            prompts=list(prompts), params=params, request_id=request_id
+        )
+        outputs = [output async for output in self.engine.stream(rid)]
+        return outputs[-1]
+
+    def child_ids(self, request_id: str, count: int) -> list[str]:
+        return [child_request_id(request_id, index) for index in range(count)]
+
+    def abort_batch(self, request_id: str) -> bool:
+        """Abort a grouped request; whether it was active is decided under the lock
+        its children's ends take, so no end races the answer."""
+        return self.engine.groups.abort(request_id, "aborted by the caller")
+
+    def batch_events(self) -> list[LifecycleEvent]:
+        return list(self._batch_events)
+
+    async def batch_started(self, request_id: str) -> None:
+        """The engine starts a parent as it admits it; this waits for the admission."""
+        while not any(
+            e.request_id == request_id and e.source is RequestStatus.WAITING
+            for e in list(self._batch_events)
+        ):
+            await asyncio.sleep(STARTED_POLL_S)
+
+    def unfinished_ids(self) -> frozenset[str]:
+        return self.engine.unfinished_request_ids
+
+    def _on_batch_event(self, event: TraceEvent) -> None:
+        if isinstance(event, LifecycleEvent):
+            self._batch_events.append(event)
 
     def pause(self) -> None:
         self.engine.pause()

@@ -429,6 +429,8 @@ class EngineLifecycleMachine(HarnessRoot):
         preempted = {e.request_id for e in self.lifecycle if e.dest is RequestStatus.PREEMPTED}
         step_mode = self.front.config.resolved_mode == "step"
         self.check_nothing_held(snapshot, finished, preempted - finished, step_mode)
+        # Every batch rule waits for its parent's final output: none is left active.
+        assert not snapshot.group_ids, f"grouped requests held after their end: {snapshot}"
 
     def _can_hold(self) -> bool:
         """Whether a rule may hold the loop now: the front can, and it is not held or over."""

@@ -30,6 +30,7 @@ from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
 from diffusion_runtime.testing.deadline_mutations import DEADLINE_MUTATIONS
 from diffusion_runtime.testing.delivery_mutations import DELIVERY_MUTATIONS
 from diffusion_runtime.testing.gap_mutations import GAP_MUTATIONS
+from diffusion_runtime.testing.group_mutations import GROUP_MUTATIONS
 from diffusion_runtime.testing.lora_mutations import LORA_MUTATIONS
 from diffusion_runtime.testing.mutation import Mutation as Mutation
 from diffusion_runtime.testing.mutation import Patch
@@ -284,6 +285,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     *SLEEP_MUTATIONS,
     *OUTPUT_MUTATIONS,
     *SCHEDULE_MUTATIONS,
+    *GROUP_MUTATIONS,
 )
 
 

@@ -35,9 +35,9 @@ from diffusion_runtime.fsm import LifecycleEvent, RequestStatus
 from diffusion_runtime.fsm.events import TraceEvent
 from diffusion_runtime.fsm.trace import read_trace
 from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.request_groups import child_request_id
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.stage import StageClient
-from diffusion_runtime.stage.batch import child_request_id
 from diffusion_runtime.testing.fronts import FrontCapabilities, admit_while_held
 from diffusion_runtime.testing.leaks import Leftovers
 from diffusion_runtime.testing.stage_hold import StageHold, StageHolder

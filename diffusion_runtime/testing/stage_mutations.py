@@ -19,7 +19,7 @@ import torch
 
 from diffusion_runtime.fsm import RequestStatus, Trigger
 from diffusion_runtime.outputs import RequestOutput
-from diffusion_runtime.stage.batch import BatchRequest
+from diffusion_runtime.request_groups import RequestGroup
 from diffusion_runtime.stage.client import StageClient
 from diffusion_runtime.stage.proc import FINAL_LINGER_MS, StageProc, StageSpec, run_stage
 from diffusion_runtime.testing.mutation import Mutation, Patch
@@ -46,7 +46,7 @@ def end_leaves_streams_open() -> Patch:
 
 def batch_failed_child_completes() -> Patch:
     def make(original: Any) -> Any:
-        def push(self: BatchRequest, output: RequestOutput) -> None:
+        def push(self: RequestGroup, output: RequestOutput) -> None:
             if not output.finished:
                 return
             index = self._index[output.request_id]
@@ -61,7 +61,7 @@ def batch_failed_child_completes() -> Patch:
 
         return push
 
-    return _replace(BatchRequest, "push", make)
+    return _replace(RequestGroup, "push", make)
 
 
 def batch_abort_through_children() -> Patch:
@@ -90,7 +90,7 @@ def batch_abort_through_children() -> Patch:
 
 def batch_one_image_per_prompt() -> Patch:
     def make(original: Any) -> Any:
-        def final_output(self: BatchRequest) -> RequestOutput:
+        def final_output(self: RequestGroup) -> RequestOutput:
             output: RequestOutput = original(self)
             finals = [final for final in self._finals if final is not None]
             if output.image_batch is None:
@@ -101,7 +101,7 @@ def batch_one_image_per_prompt() -> Patch:
 
         return final_output
 
-    return _replace(BatchRequest, "_final_output", make)
+    return _replace(RequestGroup, "_final_output", make)
 
 
 # -- the stage process (planted in the child) ----------------------------------------------
