@@ -20,8 +20,8 @@ from diffusion_runtime import DiffusionEngine, EngineConfig, InvalidFieldError, 
 from diffusion_runtime.errors import DuplicateRequestError, EngineClosedError
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
 from diffusion_runtime.fsm.events import TraceEvent
-from diffusion_runtime.outputs import RequestOutput
-from diffusion_runtime.request_groups import MAX_GROUP_PROMPTS
+from diffusion_runtime.outputs import STAGES, RequestMetrics, RequestOutput
+from diffusion_runtime.request_groups import MAX_GROUP_PROMPTS, merge_metrics
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline
 
 S = RequestStatus
@@ -94,12 +94,30 @@ def test_a_grouped_request_merges_each_prompt_run_alone_bit_for_bit(
     metrics = parent.metrics
     assert metrics is not None
     assert metrics.queue_time_s + metrics.execution_time_s == pytest.approx(metrics.total_time_s)
+    assert tuple(metrics.stage_durations) == STAGES and metrics.stage_durations["denoise"] > 0
+    assert metrics.stage_durations["queue"] == metrics.queue_time_s
+    assert metrics.peak_memory_mb is not None and metrics.peak_memory_mb > 0
 
     latent = digits.generate(["4", "5"], LATENT, group=True)
     latent_alone = digits.generate(["4", "5"], LATENT)
     assert latent.image_batch is None and latent.latents is not None
     assert torch.equal(latent.latents, torch.cat([o.latents for o in latent_alone]))  # type: ignore[misc]
     assert_nothing_left(digits)
+
+
+def test_a_parents_metrics_take_the_first_start_the_last_end_and_the_highest_peak() -> None:
+    def child(queue: float, total: float, denoise: float, peak: float | None) -> RequestMetrics:
+        stages = {"queue": queue, "encode": 0.0, "denoise": denoise, "decode": 0.0}
+        return RequestMetrics(queue, total - queue, total, {**stages, "transfer": 0.0}, peak)
+
+    merged = merge_metrics([child(0.25, 1.0, 0.5, 300.0), child(0.5, 2.0, 1.25, None), None])
+    assert merged is not None
+    assert (merged.queue_time_s, merged.execution_time_s, merged.total_time_s) == (0.25, 1.75, 2.0)
+    assert merged.stage_durations == {
+        "queue": 0.25, "encode": 0.0, "denoise": 1.25, "decode": 0.0, "transfer": 0.0
+    }  # fmt: skip
+    assert merged.peak_memory_mb == 300.0
+    assert merge_metrics([None, None]) is None
 
 
 def test_add_request_with_prompts_streams_one_final_output(digits: DiffusionEngine) -> None:
