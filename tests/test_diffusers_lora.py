@@ -38,6 +38,8 @@ TARGETS = {
     1: ["to_q", "to_k", "to_v", "to_out.0", "conv1", "proj_in"],
     2: ["to_q", "to_v", "ff.net.2", "conv2"],
 }
+#: How far a row with an adapter may move with its batch mates (measured: 5.4e-7).
+MIXED_BATCH_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -139,36 +141,27 @@ def test_one_adapter_equals_diffusers_with_it_loaded_bit_for_bit(
 # -- mixed adapters in one step batch ------------------------------------------------------
 
 
-def test_mixed_adapter_rows_equal_each_request_alone(
+def test_mixed_adapter_rows_stay_within_rounding_of_each_request_alone(
     make_engine: Build, sd: Callable[[], Any], files: dict[int, Path]
 ) -> None:
-    """With fixed-size denoiser calls every row is bit-identical to its request alone,
-    adapters (peft's mixed batch) and scales (a second pass) mixed in one step."""
+    """Adapters (peft's mixed batch) and scales (a second pass) mixed in one step.
+
+    With fixed-size denoiser calls a row without an adapter is bit-identical to the
+    base model; a row with one moves by rounding only: peft gathers each adapter's
+    rows into a sub-batch whose size depends on the batch mates (``docs/lora.md``).
+    """
     loras = [None, lora(files, 1), lora(files, 2), lora(files, 1, 0.5)]
     batch = [params(loras[i % 4], seed=i, guidance_scale=3.0 if i % 3 else 1.0) for i in range(6)]
     engine = engine_of(make_engine, sd(), rows_per_call=4, max_num_seqs=8)
     mixed = images(engine, batch)
     for each, together in zip(batch, mixed, strict=True):
         [alone] = images(engine, [each])
-        assert torch.equal(alone, together), each.lora
+        assert (alone - together).abs().max() <= MIXED_BATCH_ATOL, each.lora
     plain = engine_of(make_engine, sd(), rows_per_call=4, max_loras=0)
     for i in (0, 4):  # rows without an adapter: the base model, as without adapters
         assert torch.equal(images(plain, [batch[i]])[0], mixed[i])
-    base_of_row_1 = images(plain, [params(None, seed=1, guidance_scale=3.0)])[0]
+    base_of_row_1 = images(plain, [params(None, seed=1)])[0]
     assert (mixed[1] - base_of_row_1).abs().max() > 0.01, "the adapter changes the image"
-
-
-def test_without_fixed_size_calls_batch_mates_move_a_row_by_rounding_only(
-    make_engine: Build, sd: Callable[[], Any], files: dict[int, Path]
-) -> None:
-    batch = [params(None, seed=0), params(lora(files, 1), seed=1), params(lora(files, 2), seed=2)]
-    engine = engine_of(make_engine, sd(), max_num_seqs=8)
-    mixed = images(engine, batch)
-    worst = max(
-        (images(engine, [each])[0] - together).abs().max().item()
-        for each, together in zip(batch, mixed, strict=True)
-    )
-    assert worst < 2e-5  # the denoiser's GEMMs see 6 rows instead of 2 (docs/lora.md)
 
 
 # -- loading, refusal, slots ---------------------------------------------------------------
@@ -305,3 +298,13 @@ def test_the_runtime_imports_and_refuses_adapters_clearly_without_peft() -> None
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
     )
     assert "PipelineContractError" in result.stdout and "peft" in result.stdout
+
+
+def test_the_docs_example_runs_and_prints_what_the_page_says(
+    sd: Callable[[], Any], tmp_path: Path
+) -> None:
+    from test_docs_examples import DOCS, run_block
+
+    sd().save_pretrained(tmp_path / "my-sd")
+    printed = run_block(tmp_path, DOCS / "lora.md", '"my-style"')
+    assert printed.splitlines()[-1] == "[True, True, True] [1]"
