@@ -14,7 +14,7 @@ from typing import Any
 
 from diffusion_runtime.errors import EngineDeadError, LoRAError
 from diffusion_runtime.lora.table import AdapterTable
-from diffusion_runtime.lora.weights import AdapterFileError, check_adapter_file
+from diffusion_runtime.lora.weights import AdapterFileError
 from diffusion_runtime.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -102,13 +102,12 @@ class AdapterControl:
         return sorted(set().union(*replies))
 
     def check_loadable(self, request: LoRARequest) -> None:
-        """For admission: raise :class:`AdapterFileError` if the adapter is not loaded
-        and its file cannot be read (a cheap header check on the caller's thread)."""
+        """For admission: raise :class:`AdapterFileError` if the adapter is loaded from
+        another file. (Whether an adapter not loaded can be read is the workers' check:
+        only the pipeline's adapters know their file format.)"""
         known = self.table.get(request.adapter_id)
         if known is not None:
             _check_same(known, request)
-            return
-        check_adapter_file(request.path)
 
     def _abort_staged(self, adapter_id: int) -> None:
         try:

@@ -6,15 +6,49 @@ it), and only when every worker staged it does each *commit* it. A failed
 add *aborts* the staged copies everywhere. Which adapter to evict is decided
 by the core (:class:`~diffusion_runtime.lora.table.AdapterTable`) and passed
 to :meth:`AdapterStore.commit`, so every worker keeps the same set.
+
+:class:`WorkerAdapters` is that contract as a protocol: a pipeline whose
+adapters do not live in :class:`AdapterSlots` (the diffusers adapter, which
+loads them with diffusers' own LoRA loading) returns its own implementation
+from ``enable_lora``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
 
 from diffusion_runtime.lora.layers import AdapterSlots
-from diffusion_runtime.lora.weights import LoRAWeights, load_adapter
+from diffusion_runtime.lora.weights import LoRAWeights, check_adapter_file, load_adapter
 from diffusion_runtime.lora_request import LoRARequest
+
+
+@runtime_checkable
+class WorkerAdapters(Protocol):
+    """A worker's adapters: what the worker's adapter calls drive (two-phase add)."""
+
+    def check_file(self, path: str) -> None:
+        """Raise :class:`~diffusion_runtime.lora.weights.AdapterFileError` unless ``path``
+        looks loadable (cheap: admission calls it for adapters not loaded)."""
+
+    def stage(self, request: LoRARequest) -> None:
+        """Read and check the adapter; it serves nothing until :meth:`commit`."""
+
+    def commit(self, adapter_id: int, evict: Iterable[int]) -> None:
+        """Drop ``evict``, then make the staged adapter loaded."""
+
+    def abort(self, adapter_id: int) -> None:
+        """Drop a staged adapter (no-op if this worker never staged it)."""
+
+    def remove(self, adapter_id: int) -> bool:
+        """Drop a loaded adapter; whether it was loaded."""
+
+    def loaded_ids(self) -> list[int]: ...
+
+    def staged_ids(self) -> list[int]: ...
+
+    def activate(self, adapter_ids: Iterable[int]) -> None:
+        """Make the adapters a step or wave uses ready to serve."""
 
 
 class AdapterStore:
@@ -24,6 +58,10 @@ class AdapterStore:
         self.slots = slots
         self._loaded: dict[int, LoRAWeights] = {}
         self._staged: dict[int, LoRAWeights] = {}
+
+    def check_file(self, path: str) -> None:
+        """A header check of the adapter file format (:mod:`diffusion_runtime.lora.weights`)."""
+        check_adapter_file(path)
 
     def stage(self, request: LoRARequest) -> None:
         """Read and check the adapter's file; it serves nothing until :meth:`commit`."""

@@ -18,7 +18,9 @@ from diffusion_runtime.errors import (
     RPCError,
     SleepStateError,
 )
-from diffusion_runtime.lora.store import AdapterStore
+from diffusion_runtime.lora.layers import AdapterSlots
+from diffusion_runtime.lora.store import AdapterStore, WorkerAdapters
+from diffusion_runtime.lora.weights import AdapterFileError
 from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.pipelines.registry import build_pipeline, import_object
 from diffusion_runtime.runner.model_runner import ModelRunner
@@ -214,9 +216,23 @@ class Worker:
     def validate_request(self, prompt: Any, params: SamplingParams) -> None:
         self.runner.check_output_options(params)
         self.runner.check_custom_schedule(params)
+        if params.lora is not None:
+            self._check_adapter(params.lora)
         fn = getattr(self.pipeline, "validate_request", None)
         if fn is not None:
             fn(prompt, params)
+
+    def _check_adapter(self, lora: LoRARequest) -> None:
+        """Refuse, on ``SamplingParams.lora``, an adapter not loaded whose file the
+        pipeline's adapters cannot take (only they know their file format)."""
+        adapters = self.adapters
+        if adapters is None or lora.adapter_id in adapters.loaded_ids():
+            return
+        try:
+            adapters.check_file(lora.path)
+        except AdapterFileError as exc:
+            rule = f"names adapter {lora.adapter_id}, which is not loaded and cannot be: {exc}"
+            raise InvalidFieldError("SamplingParams", "lora", rule, lora) from exc
 
     def sleep_device(self, level: int) -> None:
         """Free the device's memory (see :class:`WorkerSleep`); only the core calls this."""
@@ -291,7 +307,9 @@ class Worker:
         ]
         return {p.lora.adapter_id for p in params if p.lora is not None}
 
-    def _adapter_store(self) -> AdapterStore | None:
+    def _adapter_store(self) -> WorkerAdapters | None:
+        """The pipeline's adapters: ``enable_lora`` returns :class:`AdapterSlots` (kept
+        by an :class:`AdapterStore`) or its own :class:`WorkerAdapters`."""
         if not self.config.max_loras:
             return None
         enable = getattr(self.pipeline, "enable_lora", None)
@@ -300,9 +318,17 @@ class Worker:
                 f"EngineConfig.max_loras needs a pipeline with enable_lora; "
                 f"{type(self.pipeline).__name__} has none"
             )
-        return AdapterStore(enable(self.config.max_loras, self.config.max_lora_rank))
+        enabled = enable(self.config.max_loras, self.config.max_lora_rank)
+        if isinstance(enabled, AdapterSlots):
+            return AdapterStore(enabled)
+        if not isinstance(enabled, WorkerAdapters):
+            raise PipelineContractError(
+                f"{type(self.pipeline).__name__}.enable_lora returned "
+                f"{type(enabled).__name__}, neither AdapterSlots nor WorkerAdapters"
+            )
+        return enabled
 
-    def _store(self) -> AdapterStore:
+    def _store(self) -> WorkerAdapters:
         if self.adapters is None:
             raise LoRAError("adapters are off: EngineConfig.max_loras is 0")
         return self.adapters

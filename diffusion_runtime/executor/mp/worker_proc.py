@@ -248,7 +248,11 @@ class WorkerProcess:
             self._outbox.send(StartFailed(self.rank, RemoteError.capture(exc, self.rank)))
             self._release()
             return
-        validates = getattr(worker.pipeline, "validate_request", None) is not None
+        # An adapter's file is checked at admission too (Worker.validate_request).
+        validates = (
+            getattr(worker.pipeline, "validate_request", None) is not None
+            or worker.adapters is not None
+        )
         self._outbox.send(Ready(self.rank, os.getpid(), str(worker.device), validates))
         self._heartbeat.start()
         self._start_thread(self._watch_executor, "diffusion-worker-watchdog")

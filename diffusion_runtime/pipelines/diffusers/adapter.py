@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 
-from diffusion_runtime.errors import InvalidFieldError
+from diffusion_runtime.errors import InvalidFieldError, PipelineContractError
+from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.pipelines.diffusers.family import Family
+from diffusion_runtime.pipelines.diffusers.peft_adapters import PeftAdapters
 from diffusion_runtime.pipelines.diffusers.scheduler_steps import seed_noise_sampler
 from diffusion_runtime.pipelines.diffusers.schedules import (
     check_schedule,
@@ -63,6 +65,9 @@ class DiffusersPipeline:
     ``source``, when given, builds the same diffusers pipeline again (from the
     files it was loaded from): the adapter then has ``reload_weights()`` and
     can sleep at level 2 (``docs/operations.md``). Without it, level 1 only.
+
+    ``enable_lora`` serves LoRA adapters through diffusers' own LoRA loading
+    (peft), each row of a step with its own adapter (``docs/lora.md``).
     """
 
     supports_request_batch = True
@@ -88,6 +93,7 @@ class DiffusersPipeline:
         self.device = torch.device(device)
         self.rows_per_call = rows_per_call
         self._family: Family | None = family_cls(pipe.to(self.device), self.device)
+        self._adapters: PeftAdapters | None = None
         if source is not None:
             # An instance attribute: the runtime looks the optional member up by name.
             self.reload_weights = lambda: self._reload(source)
@@ -107,6 +113,23 @@ class DiffusersPipeline:
         if self._family is None:
             raise RuntimeError(f"{_OWNER} is closed")
         return self._family
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> PeftAdapters:
+        """Serve adapters loaded by the pipeline's own ``load_lora_weights`` machinery.
+
+        Only pipelines with diffusers' UNet LoRA loader (``StableDiffusionPipeline``)
+        take adapters; ``max_loras`` is enforced by the scheduler.
+        """
+        pipe = self.family.pipe
+        if not (hasattr(pipe, "lora_state_dict") and hasattr(pipe, "load_lora_into_unet")):
+            raise PipelineContractError(
+                f"EngineConfig.max_loras needs a diffusers pipeline with a UNet LoRA loader "
+                f"(load_lora_weights); {type(pipe).__name__} has none"
+            )
+        if self._adapters is not None:
+            raise RuntimeError("adapters are already enabled on this pipeline")
+        self._adapters = PeftAdapters(lambda: self.family.pipe, max_rank)
+        return self._adapters
 
     # -- request mode ------------------------------------------------------------------
 
@@ -211,6 +234,8 @@ class DiffusersPipeline:
         family = self.family
         pipe = source()
         self._family = type(family)(pipe.to(self.device), self.device)
+        if self._adapters is not None:  # the new pipeline gets the loaded adapters again
+            self._adapters.reattach()
 
     def _denoise(self, groups: Sequence[StepGroup], cache: dict[str, Any]) -> list[torch.Tensor]:
         """Each group's guided model output, from one denoiser call over all groups' rows."""
@@ -229,22 +254,65 @@ class DiffusersPipeline:
             times.append(torch.as_tensor(t, device=self.device).reshape(1).expand(len(x)))
         if "rows" not in cache:
             cache["rows"] = _cat_or_none([group.rows for group in groups])
+            cache["loras"] = _row_loras(groups) if self._adapters is not None else None
         if len(groups) == 1:
-            output = self._run_denoiser(inputs[0], times[0], cache["rows"])
+            output = self._run_denoiser(inputs[0], times[0], cache["rows"], cache["loras"])
             return [family.combine(output, groups[0].guidance)]
-        output = self._run_denoiser(torch.cat(inputs), torch.cat(times), cache["rows"])
+        output = self._run_denoiser(
+            torch.cat(inputs), torch.cat(times), cache["rows"], cache["loras"]
+        )
         parts = torch.split(output, [len(x) for x in inputs])
         return [
             family.combine(part, group.guidance) for group, part in zip(groups, parts, strict=True)
         ]
 
     def _run_denoiser(
-        self, x: torch.Tensor, t: torch.Tensor, rows: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        rows: torch.Tensor | None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> torch.Tensor:
         family = self.family
+        if loras is not None and self._adapters is not None:
+            return self._run_with_adapters(self._adapters, x, t, rows, loras)
         if rows is None:
             return self._in_chunks(lambda x_, t_: family.run_denoiser(x_, t_, None), x, t)
         return self._in_chunks(family.run_denoiser, x, t, rows)
+
+    def _run_with_adapters(
+        self,
+        adapters: PeftAdapters,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        rows: torch.Tensor | None,
+        loras: list[LoRARequest | None],
+    ) -> torch.Tensor:
+        """The denoiser with row ``i`` under adapter ``loras[i]``: one call per pass
+        (see :meth:`PeftAdapters.passes`), each in chunks of ``rows_per_call``."""
+        family = self.family
+
+        def call(
+            x_: torch.Tensor, t_: torch.Tensor, codes: torch.Tensor, *rows_: torch.Tensor
+        ) -> torch.Tensor:
+            with adapters.rows_using(codes):
+                denoised: torch.Tensor = family.run_denoiser(x_, t_, rows_[0] if rows_ else None)
+            return denoised
+
+        extra = [] if rows is None else [rows]
+        output: torch.Tensor | None = None
+        for indices, codes in adapters.passes(loras):
+            if indices is None:  # one pass over every row
+                return self._in_chunks(call, x, t, codes, *extra)
+            part = self._in_chunks(
+                call, x[indices], t[indices], codes, *(r[indices] for r in extra)
+            )
+            if output is None:
+                output = part.new_empty((len(x), *part.shape[1:]))
+            output[indices] = part
+        if output is None:
+            raise RuntimeError("no denoiser pass ran")
+        return output
 
     def _in_chunks(self, call: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
         """``call(*tensors)``; with ``rows_per_call``, concatenated over padded chunks of it."""
@@ -266,6 +334,16 @@ def _step_group(group: StepGroup, model_output: torch.Tensor) -> None:
     t = lead.timesteps[lead.step_index]
     result = lead.scheduler.step(model_output, t, group.latents, **group.step_kwargs)
     group.advance(result.prev_sample, getattr(result, "pred_original_sample", None))
+
+
+def _row_loras(groups: Sequence[StepGroup]) -> list[LoRARequest | None]:
+    """Each denoiser row's adapter, in the order :meth:`DiffusersPipeline._denoise`
+    stacks rows (a guided group's members twice: the first halves, then the second)."""
+    loras: list[LoRARequest | None] = []
+    for group in groups:
+        once = [s.request.params.lora for s in group.states for _ in range(len(s.latents))]
+        loras += once * (2 if group.guidance is not None else 1)
+    return loras
 
 
 def _cat_or_none(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
