@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from diffusion_runtime import LoRARequest
 from diffusion_runtime.pipelines.digits.model import DenoiserConfig, DigitDenoiser
 from diffusion_runtime.testing.adapter_files import linear_shapes, write_random_adapter
@@ -28,6 +30,30 @@ def write_adapter(
 ) -> Path:
     """A random adapter of ``rank`` on ``layers`` (default: all) of the digits network."""
     return write_random_adapter(path, digits_layer_shapes(), seed, rank, layers, alpha)
+
+
+def write_peft_adapter(
+    pipe: Any, directory: Path, targets: list[str], rank: int, alpha: float, seed: int
+) -> Path:
+    """A random LoRA on ``targets`` of a diffusers ``pipe``'s UNet (which it changes),
+    written as diffusers writes one; needs peft."""
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    unet = pipe.unet
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+    unet.add_adapter(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in unet.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    type(pipe).save_lora_weights(
+        directory,
+        unet_lora_layers=get_peft_model_state_dict(unet),
+        weight_name="adapter.safetensors",
+        unet_lora_adapter_metadata=unet.peft_config["default"].to_dict(),
+    )
+    return directory / "adapter.safetensors"
 
 
 def adapter(directory: Path, adapter_id: int, scale: float = 1.0, rank: int = 4) -> LoRARequest:

@@ -8,6 +8,7 @@ diffusers or peft.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import factory_of
-from lora_adapters import FAULTY_NAME, FailStageOnRankOne
+from lora_adapters import FAULTY_NAME, FailStageOnRankOne, write_peft_adapter
 
 from diffusion_runtime import (
     DiffusionEngine,
@@ -28,7 +29,9 @@ from diffusion_runtime import (
     SamplingParams,
 )
 from diffusion_runtime.core import EngineCore
+from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.pipelines.diffusers import DiffusersPipeline
+from diffusion_runtime.stage import StageClient
 
 Build = Callable[..., DiffusionEngine]
 PROMPT = "ab"
@@ -56,32 +59,9 @@ def files(sd: Callable[[], Any], tmp_path_factory: pytest.TempPathFactory) -> di
     """Adapter files by id: 1 (rank 4, alpha 8) and 2 (rank 2, alpha 2)."""
     directory = tmp_path_factory.mktemp("adapters")
     return {
-        1: write_adapter(sd(), directory / "one", TARGETS[1], rank=4, alpha=8, seed=1),
-        2: write_adapter(sd(), directory / "two", TARGETS[2], rank=2, alpha=2, seed=2),
+        1: write_peft_adapter(sd(), directory / "one", TARGETS[1], rank=4, alpha=8, seed=1),
+        2: write_peft_adapter(sd(), directory / "two", TARGETS[2], rank=2, alpha=2, seed=2),
     }
-
-
-def write_adapter(
-    pipe: Any, directory: Path, targets: list[str], rank: int, alpha: float, seed: int
-) -> Path:
-    """A random LoRA on ``targets`` of ``pipe``'s UNet, written as diffusers writes one."""
-    from peft import LoraConfig, get_peft_model_state_dict
-
-    unet = pipe.unet
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
-    unet.add_adapter(config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in unet.named_parameters():
-            if "lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
-    type(pipe).save_lora_weights(
-        directory,
-        unet_lora_layers=get_peft_model_state_dict(unet),
-        weight_name="adapter.safetensors",
-        unet_lora_adapter_metadata=unet.peft_config["default"].to_dict(),
-    )
-    return directory / "adapter.safetensors"
 
 
 def lora(files: dict[int, Path], adapter_id: int, scale: float = 1.0) -> LoRARequest:
@@ -308,3 +288,42 @@ def test_the_docs_example_runs_and_prints_what_the_page_says(
     sd().save_pretrained(tmp_path / "my-sd")
     printed = run_block(tmp_path, DOCS / "lora.md", '"my-style"')
     assert printed.splitlines()[-1] == "[True, True, True] [1]"
+
+
+def test_the_stage_loads_diffusers_adapters_and_serves_them_as_in_process(
+    sd: Callable[[], Any], files: dict[int, Path], tmp_path: Path
+) -> None:
+    """Adapters cross the stage's socket by path and load in its worker through peft;
+    what it returns is what the same engine gives in process, bit for bit."""
+    sd().save_pretrained(tmp_path)
+    config = EngineConfig(
+        pipeline="diffusers",
+        pipeline_kwargs={"path": str(tmp_path)},
+        device="cpu",
+        max_loras=2,
+        execution_mode="step",
+        warmup=False,
+        intra_op_threads=1,
+    )
+    requests = [params(lora(files, 1), seed=3), params(None, seed=3), params(lora(files, 2), 4)]
+
+    async def scenario() -> list[RequestOutput]:
+        client = StageClient(config)
+        await client.start()
+        try:
+            assert await client.add_lora(lora(files, 1)) is True
+            assert await client.list_loras() == [1]
+            outputs = await client.generate([PROMPT] * 3, requests)  # loads adapter 2 itself
+            assert sorted(await client.list_loras()) == [1, 2]
+            assert await client.remove_lora(1) is True
+            return outputs
+        finally:
+            await client.shutdown()
+            assert client.exitcode == 0
+
+    staged = asyncio.run(scenario())
+    with DiffusionEngine.make_engine(config) as engine:
+        expected = images(engine, requests)
+    for got, want in zip(staged, expected, strict=True):
+        assert got.ok, got.error
+        assert torch.equal(got.image_batch, want)

@@ -23,7 +23,7 @@ import torch
 from conftest import engine_threads
 from executor_helpers import DEEPER_THAN_PICKLE, GatedPipeline, PreviewingNoise, chain
 from hypothesis import HealthCheck, settings
-from lora_adapters import FAULTY_NAME, FailStageOnRankOne, adapter
+from lora_adapters import FAULTY_NAME, FailStageOnRankOne, adapter, write_peft_adapter
 from pause_rounds import ROUNDS, run_rounds
 
 from diffusion_runtime import (
@@ -486,3 +486,39 @@ def test_trajectories_and_latents_cross_the_object_store_bit_for_bit(
     assert torch.equal(full.trajectory.latents, in_process[0].trajectory.latents)
     assert full.trajectory.log_probs is not None
     assert torch.equal(full.trajectory.log_probs, in_process[0].trajectory.log_probs)
+
+
+def test_diffusers_adapters_load_on_every_actor_and_serve_as_in_process(
+    ray_engine: Callable[..., DiffusionEngine], models: Any, tmp_path: Path
+) -> None:
+    """A diffusers pipeline's adapters load through peft on both actors (two nodes);
+    the images are the in-process engine's, bit for bit (one intra-op thread each)."""
+    pytest.importorskip("peft")
+    (tmp_path / "tokenizer").mkdir()
+    pipe = models.stable_diffusion_pipeline(tmp_path / "tokenizer")
+    pipe.save_pretrained(tmp_path / "sd")
+    path = write_peft_adapter(pipe, tmp_path / "adapter", ["to_q", "to_v"], rank=2, alpha=4, seed=1)
+    lora = LoRARequest("style", 1, str(path))
+    fields: dict[str, Any] = {
+        "pipeline": "diffusers",
+        "pipeline_kwargs": {"path": str(tmp_path / "sd")},
+        "max_loras": 1,
+        "execution_mode": "step",
+        "intra_op_threads": 1,
+    }
+    engine = ray_engine(worker_extensions=(), **fields)
+    assert engine.add_lora(lora) is True
+    assert engine.collective_rpc("list_loras") == [[1], [1]]
+    requests = [
+        SamplingParams(num_inference_steps=2, seed=5, guidance_scale=3.0, lora=lora),
+        SamplingParams(num_inference_steps=2, seed=5, guidance_scale=3.0),
+    ]
+    over_ray = engine.generate(["ab", "ab"], requests)
+    with DiffusionEngine.make_engine(
+        ray_config(executor_backend="uni", num_workers=1, **fields)
+    ) as local:
+        in_process = local.generate(["ab", "ab"], requests)
+    for remote, here in zip(over_ray, in_process, strict=True):
+        assert remote.ok, remote.error
+        assert torch.equal(remote.image_batch, here.image_batch)
+    assert not torch.equal(over_ray[0].image_batch, over_ray[1].image_batch)
