@@ -11,6 +11,7 @@ import torch
 from diffusion_runtime import DiffusionEngine, EngineConfig, SamplingParams
 from diffusion_runtime.outputs import STAGES, RequestMetrics
 from diffusion_runtime.pipelines.protocols import PipelineRequest
+from diffusion_runtime.runner import memory_peak
 from diffusion_runtime.testing.pipelines import SeededNoisePipeline
 
 PARAMS = SamplingParams(num_inference_steps=4, seed=0)
@@ -80,3 +81,17 @@ def test_the_peak_is_the_high_water_mark_of_the_requests_own_waves() -> None:
     assert big_mb - small_mb >= 0.8 * BIG_MB  # type: ignore[operator]
     # The mark starts again with each wave: the big wave's peak is not carried over.
     assert big_mb - small_again_mb >= 0.8 * BIG_MB  # type: ignore[operator]
+
+
+def test_a_system_that_refuses_the_reset_reports_no_peak_and_serves_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the kernel refuses the high-water mark's reset (here: writes to /dev/full
+    fail), the meter reports nothing rather than failing the wave."""
+    monkeypatch.setattr(memory_peak, "_CLEAR_REFS", "/dev/full")
+    config = EngineConfig(pipeline="testing-noise", device="cpu", warmup=False)
+    with DiffusionEngine.make_engine(config) as engine:
+        [output] = engine.generate(["a"], SamplingParams(num_inference_steps=2, seed=0))
+    assert output.ok and output.metrics is not None
+    assert output.metrics.peak_memory_mb is None
+    assert output.metrics.stage_durations["denoise"] > 0
