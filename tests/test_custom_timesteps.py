@@ -19,6 +19,7 @@ from conftest import factory_of
 from diffusion_runtime import DiffusionEngine, EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.fsm import RequestStatus
+from diffusion_runtime.fsm.audit import Auditor
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.sampling_params import MAX_STEPS
 from diffusion_runtime.stage.client import StageClient
@@ -309,3 +310,22 @@ def test_the_documented_example_prints_what_the_docs_say(
     ]
     exec(compile(code, "outputs.md", "exec"), {})
     assert capsys.readouterr().out == printed
+
+
+def test_the_auditor_tells_requests_apart_by_their_schedule() -> None:
+    """Two requests equal but for their schedules give different images, and the
+    identity invariant (INV-005: equal inputs, equal outputs) counts the schedule
+    among the inputs."""
+    auditor = Auditor()
+    same_length = [
+        SamplingParams(seed=0, timesteps=[999, 500]),
+        SamplingParams(seed=0, timesteps=[700, 100]),
+        SamplingParams(seed=0, num_inference_steps=2),
+    ]
+    with DiffusionEngine.make_engine(digits()) as engine:
+        engine.machine.subscribe(auditor.feed)
+        outputs = engine.generate(["4"] * 3, same_length)
+    assert all(output.ok for output in outputs)
+    images = [output.image_batch for output in outputs]
+    assert not torch.equal(images[0], images[1]) and not torch.equal(images[1], images[2])
+    assert [violation.describe() for violation in auditor.finish()] == []
