@@ -53,6 +53,7 @@ CATCH_EXAMPLES = 500
 LORA_EXAMPLES = 100
 #: The outputs target's passing run (each example's oracle steps every request alone).
 OUTPUTS_EXAMPLES = 60
+OUTPUTS_FRONT_EXAMPLES = 100
 
 FAST_SUBSET = {
     "results-by-position",
@@ -102,6 +103,7 @@ FAST_SUBSET = {
     "trajectory-of-a-batch-mate",
     "custom-timesteps-ignored-on-join",
     "group-merge-drops-last-child",
+    "group-trajectories-along-steps",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -211,6 +213,21 @@ REQUIRED_REACH = {
         "output: log-probabilities of stochastic steps": 20,
         "output: custom timesteps": 30,
     },
+    # The front target with output options (outputs-front), 100 examples per mode.
+    "outputs-front-request": {
+        "output: latents": 60,
+        "output: a trajectory (full)": 40,
+        "output: log-probabilities of stochastic steps": 8,
+        "output: custom timesteps": 30,
+        "output: a batch parent's merged trajectory": 20,
+        "output: a batch parent's merged latents": 15,
+    },
+    "outputs-front-step": {
+        "output: latents": 15,
+        "output: custom timesteps": 10,
+        "output: a batch parent's merged trajectory": 2,
+        "output: a batch parent's merged latents": 4,
+    },
     "outputs-step": {
         "output: a preempted request's trajectory": 30,
         "output: a preempted request on custom timesteps": 10,
@@ -300,6 +317,25 @@ def test_the_real_runtime_returns_latents_and_trajectories_as_the_oracle(mode: s
     if mode == "step":
         required.update(REQUIRED_REACH["outputs-step"])
     passes_and_reaches(outputs_harness(mode), OUTPUTS_EXAMPLES, required)
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_front_returns_latents_and_trajectories_as_the_oracle(mode: str) -> None:
+    """The outputs-front target: single requests' and grouped prompts' latents and
+    trajectories through the engine's front equal the oracle's, prompt by prompt."""
+    machine = harness_for("outputs-front", mode)
+    passes_and_reaches(machine, OUTPUTS_FRONT_EXAMPLES, REQUIRED_REACH[f"outputs-front-{mode}"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["outputs-mp", "outputs-stage"])
+def test_latents_and_trajectories_cross_mp_and_the_stage_as_the_oracle(target: str) -> None:
+    """The outputs targets over mp workers and across the stage's socket (slow: a
+    worker group or a stage process per example)."""
+    machine = harness_for(target, "step")
+    passes(machine, MP_EXAMPLES)
+    print(machine.reach.table())
+    assert not machine.reach.missing({"output: a trajectory (full)": 5}), machine.reach.table()
 
 
 @pytest.mark.parametrize("mode", ["request", "step"])

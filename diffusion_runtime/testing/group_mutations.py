@@ -5,10 +5,14 @@ and the stage's batch requests share one parent, so each bug is in both."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from diffusion_runtime import request_groups
 from diffusion_runtime.fsm import RequestStatus
-from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.outputs import RequestOutput, Trajectory
 from diffusion_runtime.request_groups import CHILD_END_TRIGGERS, RequestGroup
 from diffusion_runtime.testing.mutation import Mutation, Patch
 from diffusion_runtime.testing.patching import replace_attribute
@@ -35,10 +39,31 @@ def merge_drops_the_last_child() -> Patch:
     return replace_attribute(RequestGroup, "push", make)
 
 
-#: Run by the front harness over a DiffusionEngine (its batch rules).
+def trajectories_stacked_along_steps() -> Patch:
+    def make(original: Any) -> Any:
+        def merge(trajectories: Sequence[Trajectory | None]) -> Trajectory | None:
+            merged: Trajectory | None = original(trajectories)
+            known = [t for t in trajectories if t is not None]
+            if merged is None or len(known) < 2:
+                return merged
+            # "torch.cat joins the children's latents" (along its default dimension)
+            latents = torch.cat([t.latents for t in known])
+            return Trajectory(latents, merged.timesteps, merged.log_probs, merged.log_prob_steps)
+
+        return merge
+
+    return replace_attribute(request_groups, "merge_trajectories", make)
+
+
+#: Run by the front harness over a DiffusionEngine (its batch rules); the last
+#: with output options drawn (``outputs-front``).
 GROUP_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="group-merge-drops-last-child", mode="request", target="front",
              bug="a parent's merge leaves out the child whose end completed it (its output is "
                  "recorded after the parent is delivered)",
              patch=merge_drops_the_last_child),
+    Mutation(name="group-trajectories-along-steps", mode="request", target="outputs-front",
+             bug="a parent's trajectory joins its children's latents along the steps, not "
+                 "the images",
+             patch=trajectories_stacked_along_steps),
 )  # fmt: skip

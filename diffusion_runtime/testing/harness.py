@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 import attrs
 import hypothesis.strategies as st
+import torch
 from hypothesis import settings as Settings
 from hypothesis.stateful import (
     Bundle,
@@ -490,12 +491,15 @@ class EngineLifecycleMachine(HarnessRoot):
         assert not held, f"{run.request_id!r}: its output came before its children {held} ended"
         if output.status is RequestStatus.FINISHED_COMPLETED:
             count = len(run.child_ids) * run.params.num_outputs_per_prompt
-            images = None if output.image_batch is None else output.image_batch.shape[0]
-            assert images == count and output.error is None, (
-                f"{run.request_id!r}: completed with {images} images, its children made {count}"
+            produced = output.image_batch if run.params.decodes else output.latents
+            got = None if produced is None else produced.shape[0]
+            what = "images" if run.params.decodes else "latents"
+            assert got == count and output.error is None, (
+                f"{run.request_id!r}: completed with {got} {what}, its children made {count}"
             )
         else:
-            assert output.image_batch is None and output.error, output
+            products = (output.image_batch, output.latents, output.trajectory)
+            assert products == (None, None, None) and output.error, output
         if run.aborted_active:
             assert output.status is RequestStatus.FINISHED_ABORTED, output
             assert output.error == CALLER_ABORT_REASON, output
@@ -543,20 +547,21 @@ class EngineLifecycleMachine(HarnessRoot):
             )
 
     def _check_batches_against_the_pipeline(self) -> None:
-        """Each completed batch's images, prompt by prompt, equal the pipeline's own
-        output for that prompt (every child runs with the parent's seed)."""
+        """Each completed batch's output, prompt by prompt (its images or latents and
+        its part of the trajectory), equals the pipeline's own output for that
+        prompt (every child runs with the parent's seed)."""
         for run in self.batches:
             output = run.output
             if output.status is not RequestStatus.FINISHED_COMPLETED:
                 continue
-            assert output.image_batch is not None and output.seed is not None
             count = run.params.num_outputs_per_prompt
+            if output.trajectory is not None:
+                self.reach.note("output: a batch parent's merged trajectory")
+            if output.latents is not None:
+                self.reach.note("output: a batch parent's merged latents")
             for index, prompt in enumerate(run.prompts):
-                expected = self.oracle.images(prompt, run.params, output.seed)
-                images = output.image_batch[index * count : (index + 1) * count]
-                assert expected is not None and self.oracle.matches(
-                    expected, images, self.oracle_tolerance
-                ), f"{run.request_id!r}: prompt {index}'s images differ from the pipeline's own"
+                part = _prompts_part(output, index, count)
+                self.check_against_the_pipeline(part, prompt, run.params, output.seed)
 
     def _batch_front(self) -> BatchFront:
         assert isinstance(self.front, BatchFront), "a front with capabilities.batches"
@@ -736,3 +741,28 @@ def lifecycle_test_case(
     if settings is not None:
         case.settings = settings  # type: ignore[attr-defined]
     return case
+
+
+def _prompts_part(output: RequestOutput, index: int, count: int) -> RequestOutput:
+    """Prompt ``index``'s part of a batch parent's output, ``count`` rows per prompt,
+    named as its child."""
+    rows = slice(index * count, (index + 1) * count)
+
+    def part(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor[rows]
+
+    trajectory = output.trajectory
+    if trajectory is not None:
+        log_probs = trajectory.log_probs
+        trajectory = attrs.evolve(
+            trajectory,
+            latents=trajectory.latents[:, rows],
+            log_probs=None if log_probs is None else log_probs[:, rows],
+        )
+    return attrs.evolve(
+        output,
+        request_id=f"{output.request_id}/{index}",
+        image_batch=part(output.image_batch),
+        latents=part(output.latents),
+        trajectory=trajectory,
+    )

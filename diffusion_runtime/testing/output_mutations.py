@@ -9,8 +9,11 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
+
 from diffusion_runtime import core
 from diffusion_runtime.contracts import RunnerOutput
+from diffusion_runtime.executor.mp import segments
 from diffusion_runtime.pipelines.protocols import StepRequestState
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.testing.mutation import Mutation, Patch
@@ -102,6 +105,20 @@ def costs_charged_after_commit() -> Iterator[None]:
         yield
 
 
+def slots_read_at_the_image_dtype() -> Patch:
+    def make(original: Any) -> Any:
+        def read_slots(buffer: Any, slots: Any) -> dict[str, dict[str, Any]]:
+            # "every slot holds an image": float32, whatever the slot says
+            read: dict[str, dict[str, Any]] = original(
+                buffer, [attrs.evolve(slot, dtype="float32") for slot in slots]
+            )
+            return read
+
+        return read_slots
+
+    return replace_attribute(segments, "read_slots", make)
+
+
 OUTPUT_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="trajectory-last-step-dropped", mode="step", target="outputs",
              bug="the runner does not record a request's last step in its trajectory",
@@ -118,4 +135,7 @@ OUTPUT_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="costs-charged-after-commit", mode="request", target="core",
              bug="a wave's costs are charged after its results, missing the requests it ended",
              patch=costs_charged_after_commit),
+    Mutation(name="mp-slots-read-as-images", mode="step", target="outputs-mp",
+             bug="the core reads every tensor a worker sends at the images' dtype (float32)",
+             patch=slots_read_at_the_image_dtype),
 )  # fmt: skip

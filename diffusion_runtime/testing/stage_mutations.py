@@ -20,6 +20,7 @@ import torch
 from diffusion_runtime.fsm import RequestStatus, Trigger
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.request_groups import RequestGroup
+from diffusion_runtime.stage import codec
 from diffusion_runtime.stage.client import StageClient
 from diffusion_runtime.stage.proc import FINAL_LINGER_MS, StageProc, StageSpec, run_stage
 from diffusion_runtime.testing.mutation import Mutation, Patch
@@ -134,10 +135,25 @@ def exit_skips_core_shutdown() -> Patch:
     return _replace(StageProc, "_close", make)
 
 
+def trajectory_at_image_precision() -> Patch:
+    def make(original: Any) -> Any:
+        def output_tensors(output: RequestOutput) -> dict[str, torch.Tensor | None]:
+            tensors: dict[str, torch.Tensor | None] = original(output)
+            log_probs = tensors["trajectory_log_probs"]
+            if log_probs is not None:  # "send everything at the images' precision"
+                tensors["trajectory_log_probs"] = log_probs.float()
+            return tensors
+
+        return output_tensors
+
+    return _replace(codec, "_output_tensors", make)
+
+
 #: Child bugs by name: :func:`run_mutated_stage` plants one of them.
 CHILD_PATCHES: dict[str, Callable[[], Patch]] = {
     "stage-aborted-output-not-sent": aborted_output_not_sent,
     "stage-exit-skips-core-shutdown": exit_skips_core_shutdown,
+    "stage-log-probs-as-float32": trajectory_at_image_precision,
 }
 
 
@@ -178,4 +194,7 @@ STAGE_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="stage-batch-one-image-per-prompt", mode="request", target="stage",
              bug="a completed batch parent takes one image per prompt",
              patch=batch_one_image_per_prompt),
+    Mutation(name="stage-log-probs-as-float32", mode="request", target="outputs-stage",
+             bug="the stage sends a trajectory's log-probabilities at the images' precision",
+             patch=in_the_stage_process("stage-log-probs-as-float32")),
 )  # fmt: skip

@@ -108,25 +108,33 @@ def preempt_harness() -> type[CoreLifecycleMachine]:
     )
 
 
-def outputs_harness(mode: str) -> type[CoreLifecycleMachine]:
-    """The core harness with output options drawn per request (latents, trajectories,
-    stochastic steps with log-probabilities, custom timesteps): in step mode under the preemptive
-    priority policy with host offload, so trajectories resume mid-way; in request
-    mode in batched waves."""
+def output_params(
+    mode: str, priorities: tuple[int, int] = (0, 0)
+) -> st.SearchStrategy[SamplingParams]:
+    """Sampling parameters with output options drawn per request: latents,
+    trajectories, stochastic steps with log-probabilities, custom timesteps."""
+    return sampling_params(
+        steps=(1, 3) if mode == "request" else (2, 6),
+        outputs=(1, 2),
+        guidance=[1.0, 2.0],
+        priorities=priorities,
+        output_options=True,
+        schedules=True,
+    )
+
+
+def outputs_harness(mode: str, backend: str = "uni") -> type[CoreLifecycleMachine]:
+    """The core harness over ``backend`` with output options drawn per request
+    (:func:`output_params`): in step mode under the preemptive priority policy
+    with host offload, so trajectories resume mid-way; in request mode in
+    batched waves."""
     policy, offload = ("priority", 16 * 2**10) if mode == "step" else ("fifo", 0)
     return core_lifecycle_machine(
-        lambda: config(mode, policy=policy, preempted_offload_bytes=offload),
+        lambda: config(mode, backend, policy=policy, preempted_offload_bytes=offload),
         prompts=PROMPTS,
         failing_prompts=FAILING_PROMPTS,
         pipeline_options=st.fixed_dictionaries({"batched_steps": st.sampled_from([True, False])}),
-        params=sampling_params(
-            steps=(1, 3) if mode == "request" else (2, 6),
-            outputs=(1, 2),
-            guidance=[1.0, 2.0],
-            priorities=(0, 3) if mode == "step" else (0, 0),
-            output_options=True,
-            schedules=True,
-        ),
+        params=output_params(mode, priorities=(0, 3) if mode == "step" else (0, 0)),
     )
 
 
@@ -233,6 +241,22 @@ def stage_harness(mode: str) -> type[EngineLifecycleMachine]:
     )
 
 
+def front_outputs_harness(mode: str, front: str = "engine") -> type[EngineLifecycleMachine]:
+    """The front target (``front="engine"``) or the stage target (``"stage"``) with
+    output options drawn per request (:func:`output_params`): latents,
+    trajectories and log-probabilities of single requests and of grouped prompts,
+    through the engine's front or across the stage's socket."""
+    on_stage = front == "stage"
+    return lifecycle_machine(
+        (lambda: stage_config(mode)) if on_stage else (lambda: front_config(mode)),
+        prompts=PROMPTS,
+        failing_prompts=FAILING_PROMPTS,
+        params=output_params(mode),
+        read_timeout_s=3.0,  # a hung stream fails the example instead of the suite
+        front=StageFront if on_stage else None,
+    )
+
+
 def stage_config(mode: str) -> EngineConfig:
     """The stage target's engine config: a stage starts per example."""
     return EngineConfig(
@@ -267,7 +291,10 @@ def lockstep_harness(mode: str) -> type[EngineLifecycleMachine]:
 #: ``user-scheduler`` (an EngineCore with a user's preempting ``scheduler_cls``,
 #: under the default core harness), ``lora`` (an EngineCore with LoRA adapters
 #: over the digits pipeline), ``outputs`` (an EngineCore serving latents and
-#: trajectories, preempting in step mode). The preemptive and deadline targets
+#: trajectories, preempting in step mode), ``outputs-mp`` (the same over the mp
+#: executor), ``outputs-front`` and ``outputs-stage`` (the front and stage targets
+#: with output options drawn).
+#: The preemptive and deadline targets
 #: run in step mode whatever the mode.
 HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "core": core_harness,
@@ -284,6 +311,9 @@ HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "stage": stage_harness,
     "lora": lora_harness,
     "outputs": outputs_harness,
+    "outputs-mp": lambda mode: outputs_harness(mode, "mp"),
+    "outputs-front": front_outputs_harness,
+    "outputs-stage": lambda mode: front_outputs_harness(mode, "stage"),
 }
 
 
