@@ -461,20 +461,26 @@ def test_trajectories_and_latents_cross_the_object_store_bit_for_bit(
     ray_engine: Callable[..., DiffusionEngine],
 ) -> None:
     """Latents, trajectories and log-probabilities come back from Ray actors as the
-    same bits as in process (the testing pipeline's stochastic steps)."""
+    same bits as in process (the testing pipeline's stochastic steps, and a custom
+    schedule), with the workers' stage durations and peak memory."""
     params = [
         SamplingParams(
             num_inference_steps=4, seed=3, extra_args={"noise": 0.5}, return_trajectory="full"
         ),
         SamplingParams(num_inference_steps=3, seed=4, output_type="latent"),
+        SamplingParams(seed=5, timesteps=(9, 5, 2), return_trajectory="latents"),
     ]
     engine = ray_engine(execution_mode="step")
-    over_ray = engine.generate(["cat", "dog"], params)
+    over_ray = engine.generate(["cat", "dog", "cow"], params)
     with DiffusionEngine.make_engine(
         ray_config(executor_backend="uni", num_workers=1, execution_mode="step")
     ) as local:
-        in_process = local.generate(["cat", "dog"], params)
-    full, latent = over_ray
+        in_process = local.generate(["cat", "dog", "cow"], params)
+    full, latent, scheduled = over_ray
+    assert scheduled.trajectory is not None and scheduled.trajectory.timesteps == (9, 5, 2)
+    for output in over_ray:  # the workers' costs cross too
+        assert output.metrics is not None and output.metrics.stage_durations["denoise"] > 0
+        assert output.metrics.peak_memory_mb is not None
     assert full.trajectory is not None and full.trajectory.log_probs is not None
     assert latent.latents is not None and latent.image_batch is None
     for remote, here in zip(over_ray, in_process, strict=True):
@@ -482,8 +488,9 @@ def test_trajectories_and_latents_cross_the_object_store_bit_for_bit(
             mine, theirs = getattr(remote, name), getattr(here, name)
             assert (mine is None) == (theirs is None)
             assert mine is None or torch.equal(mine, theirs)
-    assert in_process[0].trajectory is not None
+    assert in_process[0].trajectory is not None and in_process[2].trajectory is not None
     assert torch.equal(full.trajectory.latents, in_process[0].trajectory.latents)
+    assert torch.equal(scheduled.trajectory.latents, in_process[2].trajectory.latents)
     assert full.trajectory.log_probs is not None
     assert torch.equal(full.trajectory.log_probs, in_process[0].trajectory.log_probs)
 
