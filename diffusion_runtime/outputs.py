@@ -146,8 +146,10 @@ class RequestOutput:
     for ``output_type="latent"`` gets its final ``latents`` (``(N, ...)``, as
     the pipeline's sampler leaves them) instead of images, and one that asked
     for ``return_trajectory`` its :class:`Trajectory` (both on its final,
-    completed output; see ``docs/outputs.md``). Its ``repr`` is one short
-    line: the pixels are left out.
+    completed output; with ``stream_trajectory``, each progress output also
+    carries the part recorded since the previous one; see
+    ``docs/outputs.md``). Its ``repr`` is one short line: the pixels are left
+    out.
     """
 
     request_id: str
