@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import sys
 import tempfile
@@ -383,13 +384,24 @@ BENCHMARKS = {
     "offload": "diffusion_runtime.bench.offload:run",
     "lora": "diffusion_runtime.bench.lora:run",
     "sleep": "diffusion_runtime.bench.sleep:run",
+    "rl": "diffusion_runtime.bench.rl:run",
 }
+
+#: ``bench`` options, passed to the benchmarks whose ``run`` takes them.
+BENCH_OPTIONS = ("requests", "steps")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from diffusion_runtime.pipelines.registry import import_object
 
-    result: dict[str, Any] = import_object(BENCHMARKS[args.name])()
+    run = import_object(BENCHMARKS[args.name])
+    options = {name: getattr(args, name) for name in BENCH_OPTIONS}
+    options = {name: value for name, value in options.items() if value is not None}
+    accepted = inspect.signature(run).parameters
+    for name in options:
+        if name not in accepted:
+            raise CommandError(f"bench {args.name} takes no --{name}")
+    result: dict[str, Any] = run(**options)
     print(json.dumps(result, indent=2))
     return 0
 
@@ -503,6 +515,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = command("bench", "run a benchmark and print JSON")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="the benchmark")
+    bench.add_argument(
+        "--requests", type=int, default=None, help="requests per round (benchmarks that take it)"
+    )
+    bench.add_argument(
+        "--steps", type=int, default=None, help="denoising steps (benchmarks that take it)"
+    )
     bench.set_defaults(func=cmd_bench)
 
     serve = command("serve", "serve the OpenAI images API over HTTP")

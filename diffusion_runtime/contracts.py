@@ -131,6 +131,8 @@ class RunnerOutput:
     ``trajectory_latents``, its log-probabilities in ``trajectory_log_probs``
     (when it has any), and its timesteps and the steps those log-probabilities
     belong to in ``trajectory_steps`` (the tensors follow the same fence).
+    For a request that streams its trajectory and has steps left, those three
+    hold the part recorded since its previous result instead.
     ``costs`` says what the wave cost on its worker (``None`` for a wave that
     never ran there).
     """

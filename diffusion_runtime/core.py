@@ -230,10 +230,18 @@ class EngineCore:
     def validate(self, prompt: Any, params: SamplingParams) -> None:
         """Raise :class:`~diffusion_runtime.errors.InvalidFieldError` for input the
         pipeline cannot serve (on mp, a round trip to a worker), for an
-        adapter that is not loaded and whose file cannot be read, or for a
-        trajectory longer than ``max_trajectory_steps``."""
+        adapter that is not loaded and whose file cannot be read, for a
+        trajectory longer than ``max_trajectory_steps``, or for one to stream
+        from an engine without ``streaming_output``."""
         if params.lora is not None:
             self._validate_lora(params.lora)
+        if params.stream_trajectory and not self.config.streaming_output:
+            raise InvalidFieldError(
+                "SamplingParams",
+                "stream_trajectory",
+                "needs an engine with EngineConfig.streaming_output=True (progress outputs)",
+                params.stream_trajectory,
+            )
         limit = self.config.max_trajectory_steps
         if params.return_trajectory and params.num_inference_steps > limit:
             rule = (
@@ -584,7 +592,8 @@ class EngineCore:
         return request, output
 
     def _progress_outputs(self, result: RunnerOutput) -> list[_Outgoing]:
-        """Intermediate outputs: step i of n, with a preview image when there is one."""
+        """Intermediate outputs: step i of n, with a preview image when there is one
+        and the new part of the trajectory when the request streams it."""
         outputs = []
         for request_id, (step, num_steps) in result.progress.items():
             request = self.scheduler.running.get(request_id)
@@ -598,6 +607,7 @@ class EngineCore:
                 seed=request.seed,
                 step=step,
                 num_steps=num_steps,
+                trajectory=_trajectory(result, request_id, end_step=step),
             )
             outputs.append((request, output))
         return outputs
@@ -945,18 +955,26 @@ class _Products:
             return cls()
         request_id = request.request_id
         output = result.images.get(request_id)
-        trajectory = None
-        if request_id in result.trajectory_latents:
-            timesteps, log_prob_steps = result.trajectory_steps[request_id]
-            trajectory = Trajectory(
-                latents=result.trajectory_latents[request_id],
-                timesteps=timesteps,
-                log_probs=result.trajectory_log_probs.get(request_id),
-                log_prob_steps=log_prob_steps,
-            )
+        trajectory = _trajectory(result, request_id, end_step=None)
         if request.params.decodes:
             return cls(images=output, trajectory=trajectory)
         return cls(latents=output, trajectory=trajectory)
+
+
+def _trajectory(result: RunnerOutput, request_id: str, end_step: int | None) -> Trajectory | None:
+    """The trajectory a result holds for a request: the whole one (``end_step``
+    ``None``), or the streamed part that ends before step ``end_step``."""
+    latents = result.trajectory_latents.get(request_id)
+    if latents is None:
+        return None
+    timesteps, log_prob_steps = result.trajectory_steps[request_id]
+    return Trajectory(
+        latents=latents,
+        timesteps=timesteps,
+        log_probs=result.trajectory_log_probs.get(request_id),
+        log_prob_steps=log_prob_steps,
+        first_step=0 if end_step is None else end_step - len(timesteps),
+    )
 
 
 def _metrics(request: Request, finished: float) -> RequestMetrics:

@@ -54,7 +54,11 @@ from diffusion_runtime.fsm import RequestMachine
 from diffusion_runtime.fsm.audit import Auditor
 from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.outputs import RequestOutput
-from diffusion_runtime.request_groups import checked_group_prompts, child_request_id
+from diffusion_runtime.request_groups import (
+    check_group_params,
+    checked_group_prompts,
+    child_request_id,
+)
 from diffusion_runtime.routes import OutputRoutes
 from diffusion_runtime.runner.worker import Worker
 from diffusion_runtime.sampling_params import SamplingParams, checked_params, prompts_and_params
@@ -548,6 +552,7 @@ class DiffusionEngine:
         self._check_open()
         prompt_list = checked_group_prompts(prompts)
         params = checked_params(params)
+        check_group_params(params)
         parent_id = self._minter.request_id(request_id)
         for index, prompt in enumerate(prompt_list):
             try:

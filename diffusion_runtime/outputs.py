@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -59,17 +60,77 @@ class Trajectory:
     the latents before it. Steps that draw no noise (a deterministic sampler, or
     DDIM's last step) have no density, so they are not in ``log_prob_steps``;
     ``log_probs`` is ``None`` when no step drew any, or when not asked for.
+
+    A part of a trajectory (what a progress output carries with
+    ``SamplingParams.stream_trajectory``) covers the steps from ``first_step``
+    on: ``timesteps`` and ``latents`` are those steps' (the latents after each),
+    and a part from step 0 starts with the initial latents, as a whole
+    trajectory does. :meth:`join` puts parts together; :meth:`steps_from` cuts one.
     """
 
     latents: torch.Tensor
     timesteps: tuple[int, ...]
     log_probs: torch.Tensor | None = None
     log_prob_steps: tuple[int, ...] = ()
+    first_step: int = 0
 
     def __repr__(self) -> str:
         steps = len(self.timesteps)
         drawn = "none" if self.log_probs is None else f"{len(self.log_prob_steps)} steps"
-        return f"Trajectory({steps} steps, latents {tuple(self.latents.shape)}, log-probs {drawn})"
+        where = f" from step {self.first_step}" if self.first_step else ""
+        return (
+            f"Trajectory({steps} steps{where}, latents {tuple(self.latents.shape)}, "
+            f"log-probs {drawn})"
+        )
+
+    @property
+    def end_step(self) -> int:
+        """The step after this trajectory's (or part's) last."""
+        return self.first_step + len(self.timesteps)
+
+    @classmethod
+    def join(cls, parts: Sequence[Trajectory]) -> Trajectory:
+        """One trajectory of consecutive parts (each starts where the one before
+        it ends); ``ValueError`` for none, or for a gap or an overlap."""
+        if not parts:
+            raise ValueError("joining needs at least one part")
+        for before, after in itertools.pairwise(parts):
+            if after.first_step != before.end_step:
+                raise ValueError(
+                    f"a part from step {after.first_step} cannot follow one that ends "
+                    f"before step {before.end_step}"
+                )
+        log_probs = [part.log_probs for part in parts if part.log_probs is not None]
+        return cls(
+            latents=torch.cat([part.latents for part in parts]),
+            timesteps=tuple(t for part in parts for t in part.timesteps),
+            log_probs=torch.cat(log_probs) if log_probs else None,
+            log_prob_steps=tuple(s for part in parts for s in part.log_prob_steps),
+            first_step=parts[0].first_step,
+        )
+
+    def steps_from(self, step: int) -> Trajectory:
+        """The part of this trajectory from ``step`` on (``step`` within
+        ``[first_step, end_step]``): what a progress output streamed up to
+        ``step`` leaves for the final output to complete."""
+        if not self.first_step <= step <= self.end_step:
+            raise ValueError(f"step {step} is outside [{self.first_step}, {self.end_step}]")
+        if step == self.first_step:
+            return self
+        skip = step - self.first_step
+        # The row of the latents after step ``step - 1`` is the last one left out.
+        rows = skip + (1 if self.first_step == 0 else 0)
+        kept = sum(s < step for s in self.log_prob_steps)
+        log_probs = self.log_probs
+        if log_probs is not None:
+            log_probs = log_probs[kept:] if kept < len(log_probs) else None
+        return Trajectory(
+            latents=self.latents[rows:],
+            timesteps=self.timesteps[skip:],
+            log_probs=log_probs,
+            log_prob_steps=self.log_prob_steps[kept:],
+            first_step=step,
+        )
 
 
 @attrs.frozen(slots=True, repr=False)
@@ -85,8 +146,10 @@ class RequestOutput:
     for ``output_type="latent"`` gets its final ``latents`` (``(N, ...)``, as
     the pipeline's sampler leaves them) instead of images, and one that asked
     for ``return_trajectory`` its :class:`Trajectory` (both on its final,
-    completed output; see ``docs/outputs.md``). Its ``repr`` is one short
-    line: the pixels are left out.
+    completed output; with ``stream_trajectory``, each progress output also
+    carries the part recorded since the previous one; see
+    ``docs/outputs.md``). Its ``repr`` is one short line: the pixels are left
+    out.
     """
 
     request_id: str

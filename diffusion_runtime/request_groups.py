@@ -37,6 +37,7 @@ import torch
 from diffusion_runtime.errors import InvalidFieldError, describe_error
 from diffusion_runtime.fsm import RequestLifecycle, RequestMachine, RequestStatus, Trigger
 from diffusion_runtime.outputs import RequestMetrics, RequestOutput, Trajectory
+from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.streams import OutputSink
 from diffusion_runtime.validation import bounded_input
 
@@ -66,6 +67,14 @@ def checked_group_prompts(prompts: object) -> list[Any]:
         raise InvalidFieldError("request", "prompts", rule, f"{len(prompts)} prompts")
     bounded_input("request", "prompts", prompts)
     return list(prompts)
+
+
+def check_group_params(params: SamplingParams) -> None:
+    """Refuse, by field, what a grouped request cannot give: it streams no
+    progress outputs, so no trajectory parts either."""
+    if params.stream_trajectory:
+        rule = "is for a single request: a grouped request streams no progress outputs"
+        raise InvalidFieldError("SamplingParams", "stream_trajectory", rule, True)
 
 
 def child_request_id(parent_id: str, index: int) -> str:

@@ -14,6 +14,7 @@ from diffusion_runtime.validation import (
     bounded_input,
     finite_in_range,
     int_in_range,
+    is_bool,
     one_of,
     str_keyed_dict,
 )
@@ -101,7 +102,9 @@ class SamplingParams:
     ``docs/lora.md``). ``output_type`` ``"latent"`` returns the final latents
     instead of images (``"pil"`` and ``"pt"`` both return image tensors), and
     ``return_trajectory`` asks for every step's latents (``"latents"``) and
-    also each sampled step's log-probability (``"full"``); see
+    also each sampled step's log-probability (``"full"``); with
+    ``stream_trajectory`` each progress output of a streaming engine also
+    carries the part of the trajectory recorded since the previous one; see
     ``docs/outputs.md``. ``timesteps`` or ``sigmas`` (not both) replace the
     pipeline's schedule with the given one, for pipelines that take it; the
     step count is then their length, and ``num_inference_steps`` reads back as
@@ -127,6 +130,7 @@ class SamplingParams:
     lora: LoRARequest | None = attrs.field(default=None, validator=_is_lora)
     output_type: str = attrs.field(default="pil", validator=one_of(*OUTPUT_TYPES))
     return_trajectory: bool | str = attrs.field(default=False, validator=_is_trajectory_kind)
+    stream_trajectory: bool = attrs.field(default=False, validator=is_bool)
     timesteps: tuple[int | float, ...] | None = attrs.field(
         default=None, converter=_as_tuple, validator=_schedule(integers_allowed=True)
     )
@@ -138,6 +142,13 @@ class SamplingParams:
         if self.timesteps is not None and self.sigmas is not None:
             raise InvalidFieldError(
                 type(self).__name__, "sigmas", "must be None when timesteps is given", self.sigmas
+            )
+        if self.stream_trajectory and not self.return_trajectory:
+            raise InvalidFieldError(
+                type(self).__name__,
+                "stream_trajectory",
+                "needs return_trajectory 'latents' or 'full'",
+                self.stream_trajectory,
             )
         schedule = self.custom_schedule
         if schedule is not None:  # the resolved step count, for everyone who reads it

@@ -26,12 +26,15 @@ class TrajectoryRecorder:
     step ``i``. ``log_probs[k]`` (one value per image) is the log-density of the
     sample that step ``log_prob_steps[k]`` drew; steps that drew no noise have
     none. ``with_log_probs`` is False for ``return_trajectory="latents"``.
+    ``taken`` counts the latents and log-probs that earlier parts
+    (:meth:`take_part`, for ``SamplingParams.stream_trajectory``) held.
     """
 
     with_log_probs: bool
     latents: list[torch.Tensor] = attrs.field(factory=list)
     log_probs: list[torch.Tensor] = attrs.field(factory=list)
     log_prob_steps: list[int] = attrs.field(factory=list)
+    taken: tuple[int, int] = (0, 0)
 
     def record(self, latents: torch.Tensor, step: int, log_prob: torch.Tensor | None) -> None:
         """Record the latents after ``step`` and, when asked for and drawn, its log-prob."""
@@ -39,6 +42,20 @@ class TrajectoryRecorder:
         if self.with_log_probs and log_prob is not None:
             self.log_probs.append(log_prob.detach().clone())
             self.log_prob_steps.append(step)
+
+    def take_part(self, timesteps: tuple[int, ...]) -> TrajectoryTensors:
+        """What was recorded since the previous part, stacked: the latents after each
+        new step (preceded by the initial latents in the first part), those steps'
+        ``timesteps`` and their log-probs."""
+        latents_from, log_probs_from = self.taken
+        self.taken = (len(self.latents), len(self.log_probs))
+        new_log_probs = self.log_probs[log_probs_from:]
+        return TrajectoryTensors(
+            torch.stack(self.latents[latents_from:]),
+            torch.stack(new_log_probs) if new_log_probs else None,
+            timesteps[max(latents_from - 1, 0) : len(self.latents) - 1],
+            tuple(self.log_prob_steps[log_probs_from:]),
+        )
 
     def finish(self, timesteps: tuple[int, ...]) -> TrajectoryTensors:
         """The recorded trajectory, stacked."""

@@ -264,7 +264,7 @@ def test_the_operations_guide_sleep_example_restores_exactly(tmp_path: Path) -> 
 
 def test_the_outputs_guide_rl_example_prints_what_it_says(tmp_path: Path) -> None:
     guide = DOCS / "outputs.md"
-    out = run_block(tmp_path, guide, 'return_trajectory="full"')
+    out = run_block(tmp_path, guide, "all 8 share every step")
     assert out == documented_text_block(guide, "It prints:")
 
 
@@ -272,3 +272,9 @@ def test_the_outputs_guide_grouped_example_prints_what_it_says(tmp_path: Path) -
     guide = DOCS / "outputs.md"
     out = run_block(tmp_path, guide, "group=True")
     assert out == documented_text_block(guide, "The grouped example prints:")
+
+
+def test_the_outputs_guide_streaming_example_prints_what_it_says(tmp_path: Path) -> None:
+    guide = DOCS / "outputs.md"
+    out = run_block(tmp_path, guide, "stream_trajectory=True,")
+    assert out == documented_text_block(guide, "The streaming example prints:")

@@ -18,7 +18,7 @@ import torch
 
 from diffusion_runtime.pipelines.phases import timed_phase
 from diffusion_runtime.sampling_params import SamplingParams
-from diffusion_runtime.trajectory import SampledOutput, TrajectoryRecorder
+from diffusion_runtime.trajectory import SampledOutput, TrajectoryRecorder, TrajectoryTensors
 
 Prompt = Any
 
@@ -143,6 +143,16 @@ class StepRequestState:
             self.recorder.record(self.latents, self.step_index - 1, self.step_log_prob)
         self.step_log_prob = None
 
+    def trajectory_part(self) -> TrajectoryTensors | None:
+        """The trajectory recorded since the previous part, for a request that
+        streams it (``SamplingParams.stream_trajectory``); else ``None``."""
+        if self.recorder is None or not self.request.params.stream_trajectory:
+            return None
+        return self.recorder.take_part(self._timestep_ints())
+
+    def _timestep_ints(self) -> tuple[int, ...]:
+        return tuple(int(t) for t in self.timesteps)
+
     def result(self, images: torch.Tensor | None) -> torch.Tensor | SampledOutput:
         """What the finished request returns: its ``images`` (``None`` when it
         asked for latents), or a :class:`SampledOutput` when it asked for more."""
@@ -151,7 +161,7 @@ class StepRequestState:
             return output
         trajectory = None
         if self.recorder is not None:
-            trajectory = self.recorder.finish(tuple(int(t) for t in self.timesteps))
+            trajectory = self.recorder.finish(self._timestep_ints())
         return SampledOutput(output, trajectory)
 
 

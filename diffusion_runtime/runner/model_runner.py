@@ -38,7 +38,7 @@ from diffusion_runtime.runner.input_batch import InputBatch
 from diffusion_runtime.runner.memory_peak import PeakMemoryMeter
 from diffusion_runtime.runner.state_offload import StateOffloader
 from diffusion_runtime.sampling_params import SamplingParams
-from diffusion_runtime.trajectory import SampledOutput
+from diffusion_runtime.trajectory import SampledOutput, TrajectoryTensors
 
 _Result = TypeVar("_Result")
 
@@ -56,9 +56,11 @@ class ModelRunner:
     first appears, advanced one step per output, dropped as soon as the
     request finishes or fails here, or when an output lists it as finished.
     With ``preview_interval`` k > 0, a pipeline's optional ``preview`` runs
-    every k steps for streaming. With ``offload_budget_bytes`` > 0, the states
-    of requests a step does not run (preempted ones) are kept in host memory
-    within that budget and brought back before they run (see
+    every k steps for streaming; a request that streams its trajectory gets
+    the part recorded since its previous result with every step but its last
+    (whose result carries the whole). With ``offload_budget_bytes`` > 0, the
+    states of requests a step does not run (preempted ones) are kept in host
+    memory within that budget and brought back before they run (see
     :class:`StateOffloader`).
 
     Results come back in two phases (see :class:`HostCopier`): the returned
@@ -327,7 +329,8 @@ class ModelRunner:
         result.progress[request_id] = (state.step_index, state.num_steps)
         if state.is_done:
             finished.append(state)
-        elif self._preview is not None and state.step_index % self.preview_interval == 0:
+            return
+        if self._preview is not None and state.step_index % self.preview_interval == 0:
             try:
                 preview = self._preview(state)
                 if preview is not None:
@@ -336,6 +339,10 @@ class ModelRunner:
                 _reraise_if_sticky(exc)
                 result.errors[request_id] = describe_error(exc)
                 result.progress.pop(request_id, None)
+                return
+        part = state.trajectory_part()
+        if part is not None:
+            self._put_trajectory(request_id, part, result)
 
     def _decode(
         self, pipeline: StepPipeline, states: list[StepRequestState], result: RunnerOutput
@@ -383,11 +390,17 @@ class ModelRunner:
         result.images[request_id] = self.host_copier.to_host(output)
         trajectory = None if sampled is None else sampled.trajectory
         if trajectory is not None:
-            result.trajectory_latents[request_id] = self.host_copier.to_host(trajectory.latents)
-            if trajectory.log_probs is not None:
-                log_probs = self.host_copier.to_host(trajectory.log_probs)
-                result.trajectory_log_probs[request_id] = log_probs
-            result.trajectory_steps[request_id] = (trajectory.timesteps, trajectory.log_prob_steps)
+            self._put_trajectory(request_id, trajectory, result)
+
+    def _put_trajectory(
+        self, request_id: str, trajectory: TrajectoryTensors, result: RunnerOutput
+    ) -> None:
+        """Take a whole trajectory, or a streamed part of one, to host memory."""
+        result.trajectory_latents[request_id] = self.host_copier.to_host(trajectory.latents)
+        if trajectory.log_probs is not None:
+            log_probs = self.host_copier.to_host(trajectory.log_probs)
+            result.trajectory_log_probs[request_id] = log_probs
+        result.trajectory_steps[request_id] = (trajectory.timesteps, trajectory.log_prob_steps)
 
 
 def _costs(result: RunnerOutput) -> WaveCosts:

@@ -31,7 +31,12 @@ from diffusion_runtime.executor.rpc_checks import checked_method, checked_timeou
 from diffusion_runtime.fsm import Hook, LifecycleEvent, RequestMachine
 from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.outputs import RequestOutput
-from diffusion_runtime.request_groups import RequestGroup, checked_group_prompts, child_request_id
+from diffusion_runtime.request_groups import (
+    RequestGroup,
+    check_group_params,
+    checked_group_prompts,
+    child_request_id,
+)
 from diffusion_runtime.routes import OutputRoutes
 from diffusion_runtime.runner.sleep import checked_sleep_level
 from diffusion_runtime.sampling_params import SamplingParams, checked_params, prompts_and_params
@@ -324,6 +329,7 @@ class StageClient:
         """
         request_id = self._minter.request_id(request_id)
         params = checked_params(params)
+        check_group_params(params)
         prompt_list = checked_group_prompts(prompts)
         child_ids = [child_request_id(request_id, i) for i in range(len(prompt_list))]
         self._check_free([request_id, *child_ids])

@@ -145,6 +145,7 @@ def output_to_frames(
             log_probs=metas["trajectory_log_probs"],
             timesteps=list(trajectory.timesteps),
             log_prob_steps=list(trajectory.log_prob_steps),
+            first_step=trajectory.first_step,
         )
     metrics = None if output.metrics is None else MetricsMsg(**attrs.asdict(output.metrics))
     result = Result(
@@ -213,6 +214,7 @@ def output_from_frames(result: Result, extra: Sequence[zmq.Frame]) -> RequestOut
             timesteps=tuple(trajectory.timesteps),
             log_probs=log_probs,
             log_prob_steps=tuple(trajectory.log_prob_steps),
+            first_step=trajectory.first_step,
         ),
     )
 

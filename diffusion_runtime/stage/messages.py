@@ -65,6 +65,7 @@ class SamplingParamsMsg(_Part, frozen=True):
     lora: LoRARequestMsg | None = None
     output_type: str = "pil"
     return_trajectory: bool | str = False
+    stream_trajectory: bool = False
     timesteps: tuple[int | float, ...] | None = None
     sigmas: tuple[float, ...] | None = None
 
@@ -85,13 +86,15 @@ class TensorMeta(_Part, frozen=True):
 
 
 class TrajectoryMsg(_Part, frozen=True):
-    """A :class:`~diffusion_runtime.outputs.Trajectory`: its tensors' layouts (their
-    frames follow the image's, latents first) and its step numbers."""
+    """A :class:`~diffusion_runtime.outputs.Trajectory`, or a streamed part of one:
+    its tensors' layouts (their frames follow the image's, latents first) and its
+    step numbers."""
 
     latents: TensorMeta
     log_probs: TensorMeta | None
     timesteps: list[int]
     log_prob_steps: list[int]
+    first_step: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class FieldErrorMsg(_Part, frozen=True):
