@@ -58,7 +58,8 @@ class Trajectory:
     ``(len(log_prob_steps), N)``: the log-density (float, summed over each
     image's elements) of the sample that step ``log_prob_steps[k]`` drew given
     the latents before it. Steps that draw no noise (a deterministic sampler, or
-    DDIM's last step) have no density, so they are not in ``log_prob_steps``;
+    a DDIM last step that returns the clean estimate) have no density, so they
+    are not in ``log_prob_steps``;
     ``log_probs`` is ``None`` when no step drew any, or when not asked for.
 
     A part of a trajectory (what a progress output carries with

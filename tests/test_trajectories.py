@@ -265,11 +265,12 @@ def test_request_mode_refuses_output_options_a_pipeline_cannot_return() -> None:
         assert engine.generate(["x"], SamplingParams(num_inference_steps=1))[0].ok
 
 
-def test_a_diffusers_pipeline_returns_latents_and_trajectories_and_refuses_log_probs(
+def test_a_diffusers_pipeline_returns_latents_and_trajectories(
     models: Any, make_engine: Callable[..., DiffusionEngine]
 ) -> None:
     """The tiny DiT: its final latents and trajectory are the same bits in request and
-    step mode; it has no log-probabilities to give, so ``"full"`` is refused by field."""
+    step mode; its DDIM steps (``eta`` 0) draw no noise, so ``"full"`` reports no
+    log-probabilities (``tests/test_diffusers_log_probs.py`` has those that do)."""
     from diffusion_runtime.pipelines.diffusers import DiffusersPipeline
 
     adapter = DiffusersPipeline(models.dit_pipeline())
@@ -284,6 +285,9 @@ def test_a_diffusers_pipeline_returns_latents_and_trajectories_and_refuses_log_p
         assert output.trajectory.latents.shape == (4, *output.latents.shape)
         assert torch.equal(output.trajectory.latents[-1], output.latents)
         finals.append(output)
-        with pytest.raises(InvalidFieldError, match="return_trajectory 'full' needs log-prob"):
-            engine.generate([1], attrs.evolve(params, return_trajectory="full"))
+        [full] = engine.generate([1], attrs.evolve(params, return_trajectory="full"))
+        assert full.trajectory is not None and torch.equal(
+            full.trajectory.latents, output.trajectory.latents
+        )
+        assert full.trajectory.log_probs is None and full.trajectory.log_prob_steps == ()
     assert_same(finals[1], finals[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from diffusion_runtime.errors import InvalidFieldError, PipelineContractError
 from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.pipelines.diffusers.family import Family
+from diffusion_runtime.pipelines.diffusers.log_probs import StepDensities, step_densities
 from diffusion_runtime.pipelines.diffusers.peft_adapters import PeftAdapters
 from diffusion_runtime.pipelines.diffusers.scheduler_steps import seed_noise_sampler
 from diffusion_runtime.pipelines.diffusers.schedules import (
@@ -60,6 +62,10 @@ class DiffusersPipeline:
     ``set_timesteps`` as diffusers' pipelines pass them, where it takes them
     (:attr:`custom_schedules`); elsewhere they are refused at admission.
 
+    ``return_trajectory="full"`` gets each stochastic step's log-probability for
+    ``DDPMScheduler`` and ``DDIMScheduler`` (``eta > 0``), none for a scheduler that
+    draws no noise, and is refused for any other (see :mod:`.log_probs`).
+
     The pipeline object is moved to ``device``. See :data:`SUPPORTED_PIPELINES`.
 
     ``source``, when given, builds the same diffusers pipeline again (from the
@@ -107,6 +113,13 @@ class DiffusersPipeline:
             self._scheduler_template, self.family.min_inference_steps
         )
 
+    @functools.cached_property
+    def step_densities(self) -> StepDensities:
+        """How the scheduler's steps get log-probabilities (``return_trajectory="full"``),
+        found at the first request that asks, since a scheduler not known to this module
+        is stepped on copies to find whether it draws noise."""
+        return step_densities(self._scheduler_template, self.family.min_inference_steps)
+
     @property
     def family(self) -> Family:
         """The pipeline-specific half; raises once the pipeline is closed."""
@@ -137,8 +150,8 @@ class DiffusersPipeline:
         """Reject, naming the field, what the wrapped pipeline cannot serve."""
         self.family.validate(prompt, params)
         check_schedule(self._scheduler_template, params, self.family.owner)
-        if params.return_trajectory == "full":
-            rule = "'full' needs log-probabilities, which diffusers schedulers do not give yet"
+        if params.return_trajectory == "full" and self.step_densities.refusal is not None:
+            rule = f"'full' needs log-probabilities, and the adapter {self.step_densities.refusal}"
             raise InvalidFieldError(_OWNER, "return_trajectory", rule, params.return_trajectory)
 
     def warmup_request(self) -> tuple[Prompt, SamplingParams]:
@@ -180,7 +193,7 @@ class DiffusersPipeline:
     @torch.no_grad()
     def step_scheduler(self, state: StepRequestState, model_output: torch.Tensor) -> None:
         """Advance one request by one step of its own scheduler."""
-        _step_group(plan_groups([state], stackable=False)[0], model_output)
+        _step_group(plan_groups([state], stackable=False)[0], model_output, self.step_densities)
 
     @torch.no_grad()
     def step_batch(self, states: Sequence[StepRequestState]) -> None:
@@ -196,7 +209,7 @@ class DiffusersPipeline:
         if groups is None:
             groups = cache["groups"] = plan_groups(states, self.stacks_scheduler_steps)
         for group, model_output in zip(groups, self._denoise(groups, cache), strict=True):
-            _step_group(group, model_output)
+            _step_group(group, model_output, self.step_densities)
 
     @torch.no_grad()
     def post_decode(self, state: StepRequestState) -> torch.Tensor:
@@ -328,12 +341,20 @@ class DiffusersPipeline:
         return torch.cat(chunks)[:count]
 
 
-def _step_group(group: StepGroup, model_output: torch.Tensor) -> None:
-    """One step of the group's lead scheduler over the group's stacked latents."""
+def _step_group(group: StepGroup, model_output: torch.Tensor, densities: StepDensities) -> None:
+    """One step of the group's lead scheduler over the group's stacked latents, with each
+    row's log-probability when a member asked for them."""
     lead = group.lead
     t = lead.timesteps[lead.step_index]
-    result = lead.scheduler.step(model_output, t, group.latents, **group.step_kwargs)
-    group.advance(result.prev_sample, getattr(result, "pred_original_sample", None))
+    sample, kwargs = group.latents, group.step_kwargs
+    gaussian = (
+        densities.gaussian(lead.scheduler, model_output, t, sample, kwargs)
+        if group.wants_log_probs
+        else None
+    )
+    result = lead.scheduler.step(model_output, t, sample, **kwargs)
+    log_prob = None if gaussian is None else gaussian.log_density(result.prev_sample)
+    group.advance(result.prev_sample, getattr(result, "pred_original_sample", None), log_prob)
 
 
 def _row_loras(groups: Sequence[StepGroup]) -> list[LoRARequest | None]:

@@ -38,27 +38,45 @@ class StepGroup:
     def lead(self) -> StepRequestState:
         return self.states[0]
 
+    @property
+    def wants_log_probs(self) -> bool:
+        """Whether a member asked for its steps' log-probabilities."""
+        return any(state.request.params.return_trajectory == "full" for state in self.states)
+
     def sizes(self) -> list[int]:
         return [len(state.latents) for state in self.states]
 
-    def advance(self, latents: torch.Tensor, x0: torch.Tensor | None) -> None:
-        """Record a step: new latents (and clean estimate) for every member, counters synced."""
+    def advance(
+        self, latents: torch.Tensor, x0: torch.Tensor | None, log_prob: torch.Tensor | None
+    ) -> None:
+        """Record a step: new latents, clean estimate and log-probability (one per row, or
+        ``None``) for every member, counters synced."""
         self.latents = latents
         states = self.states
         if len(states) == 1:
             state = states[0]
             state.latents = latents
             state.conditioning.x0 = x0
+            state.step_log_prob = log_prob
             state.step_index += 1
             return
         counters = scalar_state(self.lead.scheduler)
         sizes = self.sizes()
-        x0_parts = [None] * len(states) if x0 is None else torch.split(x0, sizes)
-        for state, part, x0_part in zip(states, torch.split(latents, sizes), x0_parts, strict=True):
+        x0_parts = _split_or_nones(x0, sizes)
+        log_probs = _split_or_nones(log_prob, sizes)
+        for state, part, x0_part, log_prob_part in zip(
+            states, torch.split(latents, sizes), x0_parts, log_probs, strict=True
+        ):
             state.latents = part
             state.conditioning.x0 = x0_part
+            state.step_log_prob = log_prob_part
             state.step_index += 1
             vars(state.scheduler).update(counters)
+
+
+def _split_or_nones(tensor: torch.Tensor | None, sizes: list[int]) -> Sequence[torch.Tensor | None]:
+    """``tensor`` split into parts of ``sizes`` rows, or a ``None`` per part."""
+    return [None] * len(sizes) if tensor is None else torch.split(tensor, sizes)
 
 
 def plan_groups(states: Sequence[StepRequestState], stackable: bool) -> list[StepGroup]:
