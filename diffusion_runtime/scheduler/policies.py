@@ -151,13 +151,18 @@ class SloAwarePolicy(SchedulingPolicy):
         return needed if request.num_steps is not None else needed * (1.0 - self.start_margin)
 
     def rank(self, request: Request, now: float) -> Rank:
+        return self._judge(request, now, self.costs.is_idle(now))[0]
+
+    def _judge(self, request: Request, now: float, engine_idle: bool) -> tuple[Rank, float]:
+        """The request's rank and :meth:`time_needed` (0 without a deadline)."""
         priority = request.params.priority
         if request.deadline is None:
-            return (_NO_DEADLINE, 0.0, priority)
-        remaining_s = self.judged_time(request, self.costs.is_idle(now))
+            return (_NO_DEADLINE, 0.0, priority), 0.0
+        needed = self.time_needed(request, engine_idle)
+        remaining_s = self._less_margin(request, needed)
         if request.deadline - now < remaining_s:
-            return (_LATE, remaining_s, priority)
-        return (_ON_TIME, request.deadline, priority)
+            return (_LATE, remaining_s, priority), needed
+        return (_ON_TIME, request.deadline, priority), needed
 
     def order(self, requests: Sequence[Request], now: float, slots: int) -> list[Request]:
         """On-time requests by deadline, each late one placed as early as their slack allows.
@@ -171,19 +176,19 @@ class SloAwarePolicy(SchedulingPolicy):
         requests without a deadline. So a late request runs in the slack of
         the on-time ones instead of waiting for all of them. O(n log n).
         """
+        idle = self.costs.is_idle(now)
         ranked = sorted(
-            ((tuple(self.rank(request, now)), request.order, request) for request in requests),
-            key=lambda entry: entry[:2],
+            ((self._judge(request, now, idle), request.order, request) for request in requests),
+            key=lambda entry: (entry[0][0], entry[1]),
         )
-        on_time = [request for rank, _, request in ranked if rank[0] == _ON_TIME]
-        late = [request for rank, _, request in ranked if rank[0] == _LATE]
+        on_time = [(needed, r) for (rank, needed), _, r in ranked if rank[0] == _ON_TIME]
+        late = [(needed, r) for (rank, needed), _, r in ranked if rank[0] == _LATE]
         if not on_time or not late:
             return [request for *_, request in ranked]
-        idle = self.costs.is_idle(now)
         free_at = [now] * max(1, min(slots, len(on_time)))
         least_slack: list[float] = []
-        for request in on_time:
-            finish = heapq.heappop(free_at) + self.time_needed(request, idle)
+        for needed, request in on_time:
+            finish = heapq.heappop(free_at) + needed
             heapq.heappush(free_at, finish)
             assert request.deadline is not None
             least_slack.append(request.deadline - finish)
@@ -194,8 +199,7 @@ class SloAwarePolicy(SchedulingPolicy):
         # Places only move later: a longer request fits no earlier than a shorter one,
         # and every on-time request from a late one's place on is delayed by it.
         position, delay = 0, 0.0
-        for request in late:
-            needed = self.time_needed(request, idle)
+        for needed, request in late:
             while position < len(on_time) and least_slack[position] - delay < needed:
                 position += 1
             if position == len(on_time):
@@ -204,9 +208,11 @@ class SloAwarePolicy(SchedulingPolicy):
                 placed[position].append(request)
                 delay += needed
         result = [
-            r for before, request in zip(placed, on_time, strict=True) for r in (*before, request)
+            r
+            for before, (_, request) in zip(placed, on_time, strict=True)
+            for r in (*before, request)
         ]
-        result += [request for rank, _, request in ranked if rank[0] not in (_ON_TIME, _LATE)]
+        result += [r for (rank, _), _, r in ranked if rank[0] not in (_ON_TIME, _LATE)]
         return result + last
 
     def choose_batch(self, batches: Sequence[Sequence[Request]], now: float) -> int:

@@ -216,13 +216,19 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
             urgent,
         )
 
-    @precondition(lambda self: self._alive and not any(map(self._is_active, self.records)))
+    @precondition(
+        lambda self: (
+            self._alive
+            and isinstance(self.core.scheduler.policy, SloAwarePolicy)
+            and not any(map(self._is_active, self.records))
+        )
+    )
     @rule(data=st.data())
     def add_a_late_request_beside_slack(self, data: st.DataObject) -> None:
-        """On an engine with nothing to do, ``max_num_seqs`` requests due in 16 s and
-        one like them due in a tick arrive; two ticks pass and a step: the late one
-        must run at once under ``slo`` (the others have slack for it), not wait
-        for them all (with ``"drop"``, it is dropped first)."""
+        """Under ``slo``, on an engine with nothing to do: ``max_num_seqs`` requests due
+        in 16 s and one like them due in a tick arrive; two ticks pass and a step:
+        the late one must run at once (the others have slack for it), not wait for
+        them all (with ``"drop"``, it is dropped first)."""
         base = data.draw(self.params)
         for _ in range(self.config.max_num_seqs):
             far = attrs.evolve(base, deadline_s=4096 * TICK_S)

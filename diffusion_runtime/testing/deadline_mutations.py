@@ -80,17 +80,20 @@ def preempted_deadline_not_rewatched() -> Patch:
 
 def slo_serves_late_requests_first() -> Patch:
     def make(original: Any) -> Any:
-        def rank(self: SloAwarePolicy, request: Request, now: float) -> tuple[float, ...]:
+        def judge(
+            self: SloAwarePolicy, request: Request, now: float, engine_idle: bool
+        ) -> tuple[tuple[float, ...], float]:
             priority = request.params.priority
             if request.deadline is None:
-                return (1, 0.0, priority)
-            if request.deadline - now < self.judged_time(request, self.costs.is_idle(now)):
-                return (-1, request.deadline, priority)  # "already late: the most urgent"
-            return (0, request.deadline, priority)
+                return (1, 0.0, priority), 0.0
+            needed = self.time_needed(request, engine_idle)
+            if request.deadline - now < self.judged_time(request, engine_idle):
+                return (-1, request.deadline, priority), needed  # "already late: most urgent"
+            return (0, request.deadline, priority), needed
 
-        return rank
+        return judge
 
-    return _replace(SloAwarePolicy, "rank", make)
+    return _replace(SloAwarePolicy, "_judge", make)
 
 
 def aged_request_checked_only_at_the_head() -> Patch:
