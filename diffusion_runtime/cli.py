@@ -389,7 +389,14 @@ BENCHMARKS = {
 def cmd_bench(args: argparse.Namespace) -> int:
     from diffusion_runtime.pipelines.registry import import_object
 
-    result: dict[str, Any] = import_object(BENCHMARKS[args.name])()
+    if args.family:
+        if args.name != "slo":
+            raise CommandError("--family is an option of bench slo only")
+        from diffusion_runtime.bench.slo_family import run as run_family
+
+        result = run_family(count=args.traces, real_traces=args.real_traces, rounds=args.rounds)
+    else:
+        result = import_object(BENCHMARKS[args.name])()
     print(json.dumps(result, indent=2))
     return 0
 
@@ -503,6 +510,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = command("bench", "run a benchmark and print JSON")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="the benchmark")
+    bench.add_argument(
+        "--family",
+        action="store_true",
+        help="slo: every policy on a family of generated traces (virtual clock and real engine)",
+    )
+    bench.add_argument("--traces", type=int, default=24, help="--family: traces generated")
+    bench.add_argument(
+        "--real-traces", type=int, default=6, help="--family: traces served on the real engine"
+    )
+    bench.add_argument("--rounds", type=int, default=3, help="--family: real-engine rounds")
     bench.set_defaults(func=cmd_bench)
 
     serve = command("serve", "serve the OpenAI images API over HTTP")
