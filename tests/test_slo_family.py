@@ -11,6 +11,7 @@ from diffusion_runtime.bench.slo_family import (
     SHAPES,
     family,
     run,
+    sample,
     serve_virtual,
     targets,
 )
@@ -26,6 +27,10 @@ def test_the_family_spans_shapes_classes_scales_and_slots() -> None:
     assert {len(t.classes) for t in traces} == {2, 3}
     assert min(t.max_num_seqs for t in traces) == 2 and max(t.max_num_seqs for t in traces) == 8
     assert traces == family(), "a family is drawn from its seed alone"
+    picked = sample(traces, 6)
+    assert len(set(picked)) == 6 and {t.shape for t in picked} == set(SHAPES)
+    assert {t.scale for t in picked} == set(FAMILY_SCALES)
+    assert sample(traces, 0) == [] and len(set(sample(traces, 40))) == len(traces)
     for trace in traces:
         assert len({a.seed for a in trace.arrivals}) == len(trace.arrivals)
         offsets = [a.offset_s for a in trace.arrivals]

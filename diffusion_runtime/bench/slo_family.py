@@ -236,11 +236,16 @@ def per_trace(runs: Iterable[tuple[FamilyTrace, dict[str, Served]]]) -> dict[str
 
 
 def sample(traces: Sequence[FamilyTrace], count: int) -> list[FamilyTrace]:
-    """``count`` traces spread evenly over the family (so over its shapes and scales)."""
-    if count <= 0:
-        return []
-    step = len(traces) / count
-    return [traces[int(i * step)] for i in range(min(count, len(traces)))]
+    """``count`` traces spread over the family: evenly spaced, each one further along
+    the cycle of shapes than the one before (so over the shapes and the scales)."""
+    count = min(max(count, 0), len(traces))
+    chosen: list[int] = []
+    for i in range(count):
+        index = (i * len(traces) // count + i) % len(traces)
+        while index in chosen:
+            index = (index + 1) % len(traces)
+        chosen.append(index)
+    return [traces[index] for index in chosen]
 
 
 def serve_real(trace: FamilyTrace, rounds: int, solo_repeats: int) -> list[dict[str, Served]]:
