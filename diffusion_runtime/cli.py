@@ -387,20 +387,25 @@ BENCHMARKS = {
     "rl": "diffusion_runtime.bench.rl:run",
 }
 
+#: ``bench slo --family``: every policy on a family of generated traces.
+SLO_FAMILY = "diffusion_runtime.bench.slo_family:run"
 #: ``bench`` options, passed to the benchmarks whose ``run`` takes them.
-BENCH_OPTIONS = ("requests", "steps")
+BENCH_OPTIONS = ("requests", "steps", "traces", "real_traces", "rounds")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from diffusion_runtime.pipelines.registry import import_object
 
-    run = import_object(BENCHMARKS[args.name])
+    if args.family and args.name != "slo":
+        raise CommandError("--family is an option of bench slo only")
+    run = import_object(SLO_FAMILY if args.family else BENCHMARKS[args.name])
     options = {name: getattr(args, name) for name in BENCH_OPTIONS}
     options = {name: value for name, value in options.items() if value is not None}
     accepted = inspect.signature(run).parameters
     for name in options:
         if name not in accepted:
-            raise CommandError(f"bench {args.name} takes no --{name}")
+            what = f"bench {args.name}{' --family' if args.family else ''}"
+            raise CommandError(f"{what} takes no --{name.replace('_', '-')}")
     result: dict[str, Any] = run(**options)
     print(json.dumps(result, indent=2))
     return 0
@@ -521,6 +526,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--steps", type=int, default=None, help="denoising steps (benchmarks that take it)"
     )
+    bench.add_argument(
+        "--family",
+        action="store_true",
+        help="slo: every policy on a family of generated traces (virtual clock and real engine)",
+    )
+    bench.add_argument("--traces", type=int, default=None, help="--family: traces generated")
+    bench.add_argument(
+        "--real-traces", type=int, default=None, help="--family: traces served on the real engine"
+    )
+    bench.add_argument("--rounds", type=int, default=None, help="--family: real-engine rounds")
     bench.set_defaults(func=cmd_bench)
 
     serve = command("serve", "serve the OpenAI images API over HTTP")

@@ -78,6 +78,7 @@ FAST_SUBSET = {
     "preempted-deadline-forgotten",
     "victim-ties-preempt-oldest",
     "edf-ignores-priority",
+    "slo-parks-late",
     "stage-exit-skips-core-shutdown",
     "inbox-apart-from-pause",
     "missing-result-fails-wave",
@@ -180,6 +181,7 @@ REQUIRED_REACH = {
     },
     "deadline-slo-run_late": {
         "path: slo demoted a late request": 30,
+        "path: slo ran a late request in an on-time one's slack": 15,
         "path: a late request completed": 15,
         "path: a deadline fell exactly on a step": 2,
         "path: an aged request ran first": 60,

@@ -187,16 +187,44 @@ def test_edf_runs_the_earliest_deadline_first_and_no_deadline_last() -> None:
     assert waves(scheduler) == [["soon"], ["late"], ["none"]]
 
 
-def test_slo_policy_demotes_requests_that_can_no_longer_make_it() -> None:
+@pytest.mark.parametrize(
+    ("loose_deadline_s", "expected"),
+    [(5.0, ["tight", "hopeless", "loose"]), (0.45, ["loose", "tight", "hopeless"])],
+)
+def test_slo_policy_runs_late_requests_only_in_the_slack_of_on_time_ones(
+    loose_deadline_s: float, expected: list[str]
+) -> None:
+    """A request that can no longer make its deadline ranks behind the on-time ones,
+    but runs before an on-time request that would still make its deadline after
+    it (here: after half a second), never before one that would not."""
     scheduler = make(max_num_seqs=1, scheduling_policy="slo")
     hopeless = add(scheduler, "hopeless", num_inference_steps=50, deadline_s=0.01)
     tight = add(scheduler, "tight", num_inference_steps=2, deadline_s=0.5)
-    loose = add(scheduler, "loose", num_inference_steps=2, deadline_s=5.0)
+    loose = add(scheduler, "loose", num_inference_steps=2, deadline_s=loose_deadline_s)
     costs = scheduler.step_costs
     costs.observe(hopeless.batch_key, 1, 0.01)  # 50 steps x 10 ms is far past 10 ms
     rank = scheduler.policy.rank
-    assert rank(tight, 0.0) < rank(loose, 0.0) < rank(hopeless, 0.0)
-    assert waves(scheduler) == [["tight"], ["loose"], ["hopeless"]]
+    assert max(rank(tight, 0.0), rank(loose, 0.0)) < rank(hopeless, 0.0)
+    ranked = scheduler.ranked(scheduler.waiting.values(), 0.0)
+    assert [request.request_id for request in ranked] == expected
+    assert waves(scheduler)[0] == expected[:1]
+
+
+def test_slo_policy_places_late_requests_by_the_slack_of_every_slot() -> None:
+    """The slack is that of a list schedule over ``max_num_seqs`` places: two
+    on-time requests side by side each keep their slack, so the late one goes
+    first; with one place the second waits for the first and has none left."""
+    for slots, expected in ((2, ["late", "a", "b"]), (1, ["a", "b", "late"])):
+        policy = SloAwarePolicy(StepCostModel())
+        requests = []
+        for order, (rid, deadline_s) in enumerate((("a", 0.011), ("b", 0.011), ("late", 0.001))):
+            params = SamplingParams(num_inference_steps=4, deadline_s=deadline_s)
+            request = Request(rid, rid, params, 0, params.step_batch_key(), arrival_time=0.0)
+            request.order = order
+            requests.append(request)
+        # Each needs 4 steps at 1 ms (the default): 7 ms of slack alone, 3 ms after another.
+        ordered = policy.order(requests, 0.0, slots)
+        assert [r.request_id for r in ordered] == expected, slots
 
 
 @pytest.mark.parametrize(("running_deadline_s", "preempts"), [(0.125, False), (0.2, True)])

@@ -56,13 +56,15 @@ class Outcome:
     ok: bool
 
 
-def solo_latencies(engine: DiffusionEngine, repeats: int) -> dict[str, float]:
+def solo_latencies(
+    engine: DiffusionEngine, repeats: int, classes: tuple[RequestClass, ...] = CLASSES
+) -> dict[str, float]:
     """Median latency of each class served alone, through the same path as the trace
     (the classes take turns, so a slow moment of the machine hits them alike)."""
-    samples: dict[str, list[float]] = {kind.name: [] for kind in CLASSES}
+    samples: dict[str, list[float]] = {kind.name: [] for kind in classes}
     no_deadlines = dict.fromkeys(samples)
     for seed in range(repeats):
-        for kind in CLASSES:
+        for kind in classes:
             outcomes, _ = asyncio.run(replay(engine, [Arrival(0.0, kind, seed)], no_deadlines))
             assert outcomes[0].ok
             samples[kind.name].append(outcomes[0].latency_s)

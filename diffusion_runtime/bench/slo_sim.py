@@ -10,6 +10,8 @@ and are exactly reproducible.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from diffusion_runtime.bench.slo_trace import Arrival
@@ -33,6 +35,24 @@ def simulate(
     policy: str, trace: list[Arrival], scale: float, max_num_seqs: int
 ) -> dict[str, float]:
     """Attainment at ``scale`` and the short class's p99 latency (ms) of one replay."""
+    deadlines = {a.kind.name: scale * solo_latency(a) for a in trace}
+    latencies = replay(policy, trace, deadlines, max_num_seqs)
+    met = sum(latencies[a.seed] <= deadlines[a.kind.name] for a in trace)
+    short = [latencies[a.seed] for a in trace if a.kind.name == "short"]
+    return {
+        "attainment": round(met / len(trace), 3),
+        "short_p99_ms": round(percentile(short, 99) * 1e3, 1),
+    }
+
+
+def replay(
+    policy: str,
+    trace: Sequence[Arrival],
+    deadlines: Mapping[str, float | None],
+    max_num_seqs: int,
+) -> dict[int, float]:
+    """Each request's latency (by its seed, which must be unique in ``trace``) when
+    ``policy`` serves ``trace`` with ``deadlines`` (seconds, by class name)."""
     clock = [0.0]
     scheduler = StepScheduler(
         RequestMachine(),
@@ -40,29 +60,22 @@ def simulate(
     )
     scheduler.clock = lambda: clock[0]
     pending = sorted(trace, key=lambda a: a.offset_s)
-    arrivals: dict[str, Arrival] = {}
-    latencies: dict[str, float] = {}
+    latencies: dict[int, float] = {}
     while pending or scheduler.requests:
         while pending and pending[0].offset_s <= clock[0]:
             arrival = pending.pop(0)
-            params = arrival.kind.params(arrival.seed, scale * solo_latency(arrival))
-            rid = str(arrival.seed)
+            params = arrival.kind.params(arrival.seed, deadlines[arrival.kind.name])
             key = scheduler.batch_key_for(params)
-            scheduler.add_request(Request(rid, "0", params, 0, key, arrival.offset_s))
-            arrivals[rid] = arrival
+            request = Request(str(arrival.seed), "0", params, 0, key, arrival.offset_s)
+            scheduler.add_request(request)
         output = scheduler.schedule(clock[0])
         if output is None or not output.has_work:
             clock[0] = pending[0].offset_s
             continue
         clock[0] += STEP_S
         for ended in _one_step(scheduler, output):
-            latencies[ended.request_id] = clock[0] + OVERHEAD_S - ended.arrival_time
-    met = sum(latencies[rid] <= scale * solo_latency(a) for rid, a in arrivals.items())
-    short = [latencies[rid] for rid, a in arrivals.items() if a.kind.name == "short"]
-    return {
-        "attainment": round(met / len(arrivals), 3),
-        "short_p99_ms": round(percentile(short, 99) * 1e3, 1),
-    }
+            latencies[int(ended.request_id)] = clock[0] + OVERHEAD_S - ended.arrival_time
+    return latencies
 
 
 def _one_step(scheduler: StepScheduler, output: SchedulerOutput) -> list[Request]:

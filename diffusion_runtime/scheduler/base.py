@@ -8,8 +8,8 @@ import itertools
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
-from typing import Any, ClassVar, NamedTuple
+from collections.abc import Callable, Hashable, Iterable
+from typing import ClassVar, NamedTuple
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import NewRequestData, RunnerOutput, SchedulerOutput
@@ -216,21 +216,23 @@ class BaseScheduler(abc.ABC):
         """Whether ``request`` has been in the engine for the aging bound."""
         return now - request.arrival_time >= self.aging_s
 
-    def effective_rank(self, request: Request, now: float) -> tuple[Any, ...]:
-        """The policy's rank, overruled by aging: a request in the engine for
-        ``scheduling_aging_s`` goes before every younger one, in admission order.
-        The policy's rank is kept whole, so ties go to admission order even if
-        its ranks differ in length."""
-        if self.is_aged(request, now):
-            return (0, request.order)
-        return (1, tuple(self.policy.rank(request, now)), request.order)
+    def ranked(self, requests: Iterable[Request], now: float) -> list[Request]:
+        """``requests`` best first: those in the engine for ``scheduling_aging_s``
+        before every younger one, in admission order; the others in the policy's
+        :meth:`~SchedulingPolicy.order`."""
+        aged: list[Request] = []
+        young: list[Request] = []
+        for request in requests:
+            (aged if self.is_aged(request, now) else young).append(request)
+        aged.sort(key=lambda request: request.order)
+        return [*aged, *self.policy.order(young, now, self.max_num_running_reqs)]
 
     def plan(self, now: float, *, may_preempt: bool) -> tuple[list[Request], list[Request]]:
         """``(running requests to preempt, waiting requests to schedule)`` for the next wave.
 
         Under a policy that does not reorder this is :meth:`next_wave`. Otherwise
-        requests are grouped by batch key, each group holding its best-ranked
-        requests (up to ``max_num_seqs``); the group of an aged best-ranked
+        requests are grouped by batch key, each group holding its first requests
+        in :meth:`ranked` order (up to ``max_num_seqs``); the group of an aged first
         request runs, else the one the policy's ``choose_batch`` picks, and
         requests of other keys are skipped, not waited for (head-of-line
         bypass). With ``may_preempt`` and a preemptive policy, running requests
@@ -243,13 +245,9 @@ class BaseScheduler(abc.ABC):
             return [], self.next_wave()
         if not self.waiting:  # the running set shares one key: nothing could replace it
             return [], []
-
-        def rank(request: Request) -> tuple[Any, ...]:
-            return self.effective_rank(request, now)
-
         if may_preempt and self.policy.preemptive:
             chosen = self._choose_batch(
-                sorted([*self.running.values(), *self.waiting.values()], key=rank), now
+                self.ranked([*self.running.values(), *self.waiting.values()], now), now
             )
             chosen_ids = {r.request_id for r in chosen}
             preempt = [r for r in self.running.values() if r.request_id not in chosen_ids]
@@ -257,7 +255,7 @@ class BaseScheduler(abc.ABC):
         free = self.max_num_running_reqs - len(self.running)
         if free <= 0 or not self.waiting:
             return [], []
-        waiting = sorted(self.waiting.values(), key=rank)
+        waiting = self.ranked(self.waiting.values(), now)
         running = next(iter(self.running.values()), None)
         if running is None:
             return [], self._choose_batch(waiting, now)

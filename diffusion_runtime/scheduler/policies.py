@@ -8,6 +8,7 @@ makes starvation impossible whatever the policy says. See ``docs/schedulers.md``
 from __future__ import annotations
 
 import abc
+import heapq
 import math
 from collections.abc import Sequence
 from typing import ClassVar
@@ -44,6 +45,12 @@ class SchedulingPolicy(abc.ABC):
     @abc.abstractmethod
     def rank(self, request: Request, now: float) -> Rank:
         """The request's place at time ``now`` (the core's clock): lower runs first."""
+
+    def order(self, requests: Sequence[Request], now: float, slots: int) -> list[Request]:
+        """``requests`` best first, for a wave of at most ``slots`` requests: by
+        :meth:`rank`, ties by admission order. Override it for an order that
+        depends on the whole set; the scheduler puts aged requests before it."""
+        return sorted(requests, key=lambda request: (tuple(self.rank(request, now)), request.order))
 
     def choose_batch(self, batches: Sequence[Sequence[Request]], now: float) -> int:
         """Which batch runs next: ``batches`` hold the best-ranked requests of each
@@ -96,12 +103,15 @@ class SloAwarePolicy(SchedulingPolicy):
     start cost learnt for its key (on an idle engine, the slow first steps of
     a cold machine) plus its steps at the average step, with a margin of
     :attr:`start_margin` (see :meth:`judged_time`). Requests that can no
-    longer make it are demoted behind every request that can (and behind
-    requests without a deadline), so an overload sacrifices the fewest
-    requests instead of making every one late: plain earliest deadline first
-    would serve the hopeless ones first and miss the rest too. Late requests
-    run shortest remaining work first. Between batch keys it runs the batch
-    whose running first meets the most deadlines (see :meth:`choose_batch`).
+    longer make it run only in the slack of those that can: each goes before
+    the on-time requests only where all of those would still finish by their
+    deadlines after it, else behind every request with or without a deadline
+    (see :meth:`order`). So an overload sacrifices the fewest requests
+    instead of making every one late (plain earliest deadline first would
+    serve the hopeless ones first and miss the rest too), and a late request
+    does not wait for on-time ones that have time to spare. Late requests run
+    shortest remaining work first. Between batch keys it runs the batch whose
+    running first meets the most deadlines (see :meth:`choose_batch`).
     Preemptive in step mode.
     """
 
@@ -141,13 +151,69 @@ class SloAwarePolicy(SchedulingPolicy):
         return needed if request.num_steps is not None else needed * (1.0 - self.start_margin)
 
     def rank(self, request: Request, now: float) -> Rank:
+        return self._judge(request, now, self.costs.is_idle(now))[0]
+
+    def _judge(self, request: Request, now: float, engine_idle: bool) -> tuple[Rank, float]:
+        """The request's rank and :meth:`time_needed` (0 without a deadline)."""
         priority = request.params.priority
         if request.deadline is None:
-            return (_NO_DEADLINE, 0.0, priority)
-        remaining_s = self.judged_time(request, self.costs.is_idle(now))
+            return (_NO_DEADLINE, 0.0, priority), 0.0
+        needed = self.time_needed(request, engine_idle)
+        remaining_s = self._less_margin(request, needed)
         if request.deadline - now < remaining_s:
-            return (_LATE, remaining_s, priority)
-        return (_ON_TIME, request.deadline, priority)
+            return (_LATE, remaining_s, priority), needed
+        return (_ON_TIME, request.deadline, priority), needed
+
+    def order(self, requests: Sequence[Request], now: float, slots: int) -> list[Request]:
+        """On-time requests by deadline, each late one placed as early as their slack allows.
+
+        The on-time requests' finishes are estimated by list scheduling over
+        ``slots`` places, each request taking :meth:`time_needed`; a request's
+        slack is its deadline less that finish. Late requests, shortest
+        remaining first, each go before the first on-time request from which on
+        every on-time request keeps a slack of at least the late one's time
+        (their slacks then shrink by it); where none does, it goes after the
+        requests without a deadline. So a late request runs in the slack of
+        the on-time ones instead of waiting for all of them. O(n log n).
+        """
+        idle = self.costs.is_idle(now)
+        ranked = sorted(
+            ((self._judge(request, now, idle), request.order, request) for request in requests),
+            key=lambda entry: (entry[0][0], entry[1]),
+        )
+        on_time = [(needed, r) for (rank, needed), _, r in ranked if rank[0] == _ON_TIME]
+        late = [(needed, r) for (rank, needed), _, r in ranked if rank[0] == _LATE]
+        if not on_time or not late:
+            return [request for *_, request in ranked]
+        free_at = [now] * max(1, min(slots, len(on_time)))
+        least_slack: list[float] = []
+        for needed, request in on_time:
+            finish = heapq.heappop(free_at) + needed
+            heapq.heappush(free_at, finish)
+            assert request.deadline is not None
+            least_slack.append(request.deadline - finish)
+        for index in range(len(least_slack) - 2, -1, -1):  # the least slack from each on
+            least_slack[index] = min(least_slack[index], least_slack[index + 1])
+        placed: list[list[Request]] = [[] for _ in on_time]
+        last: list[Request] = []
+        # Places only move later: a longer request fits no earlier than a shorter one,
+        # and every on-time request from a late one's place on is delayed by it.
+        position, delay = 0, 0.0
+        for needed, request in late:
+            while position < len(on_time) and least_slack[position] - delay < needed:
+                position += 1
+            if position == len(on_time):
+                last.append(request)
+            else:
+                placed[position].append(request)
+                delay += needed
+        result = [
+            r
+            for before, (_, request) in zip(placed, on_time, strict=True)
+            for r in (*before, request)
+        ]
+        result += [r for (rank, _), _, r in ranked if rank[0] not in (_ON_TIME, _LATE)]
+        return result + last
 
     def choose_batch(self, batches: Sequence[Sequence[Request]], now: float) -> int:
         """The batch whose running first lets the most requests meet their deadlines.

@@ -219,6 +219,28 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
     @precondition(
         lambda self: (
             self._alive
+            and isinstance(self.core.scheduler.policy, SloAwarePolicy)
+            and not any(map(self._is_active, self.records))
+        )
+    )
+    @rule(data=st.data())
+    def add_a_late_request_beside_slack(self, data: st.DataObject) -> None:
+        """Under ``slo``, on an engine with nothing to do: ``max_num_seqs`` requests due
+        in 16 s and one like them due in a tick arrive; two ticks pass and a step:
+        the late one must run at once (the others have slack for it), not wait for
+        them all (with ``"drop"``, it is dropped first)."""
+        base = data.draw(self.params)
+        for _ in range(self.config.max_num_seqs):
+            far = attrs.evolve(base, deadline_s=4096 * TICK_S)
+            self._add(data, data.draw(self.prompts), far, failing=False)
+        late = attrs.evolve(base, deadline_s=TICK_S)
+        self._add(data, data.draw(self.prompts), late, failing=False)
+        self.clock.advance(2 * TICK_S)
+        self._step()
+
+    @precondition(
+        lambda self: (
+            self._alive
             and not self.core.scheduler.policy.preemptive
             and bool(self._beside_a_running_set())
         )
@@ -437,15 +459,39 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
             return (deadlines[0], priorities[0]), (deadlines[1], priorities[1])
         if not isinstance(policy, SloAwarePolicy):
             return None
-        first_class, second_class = self._slo_class(first, now), self._slo_class(second, now)
-        if first_class is not None and second_class is not None and first_class != second_class:
-            return (first_class,), (second_class,)
-        if first_class == _ON_TIME and second_class in (_ON_TIME, None):
-            # ``second`` is on time (the deadlines decide) or late (behind ``first``
-            # whatever they say): ``first`` goes first if it would while both are on time.
+        classes = (self._slo_class(first, now), self._slo_class(second, now))
+        if classes[0] is None or classes[1] is None:
+            return None
+        if classes[0] == classes[1] == _ON_TIME:
             return (deadlines[0], priorities[0]), (deadlines[1], priorities[1])
-        if first_class == second_class == _NO_DEADLINE:
+        if classes[0] == classes[1] == _NO_DEADLINE:
             return (priorities[0],), (priorities[1],)
+        if _LATE not in classes:
+            return (classes[0],), (classes[1],)
+        late_place = self._slo_late_place(now)
+        if classes[0] == classes[1] or late_place is None:
+            return None  # late ones by the time the cost model gives them, or by slack
+        place = {_ON_TIME: _ON_TIME, _NO_DEADLINE: _NO_DEADLINE, _LATE: late_place}
+        return (place[classes[0]],), (place[classes[1]],)
+
+    def _slo_late_place(self, now: float) -> float | None:
+        """Where ``slo`` must put its young late requests, where the harness can be
+        sure: last (behind requests without a deadline) while no young request can
+        be on time; first while every young request with a deadline is late or on
+        time with slack for the time of every such request
+        (:meth:`_time_bound` each, one after another); else ``None``."""
+        young = [
+            rid
+            for rid in self.core.scheduler.requests
+            if rid in self.deadlines and not self._aged(rid, now)
+        ]
+        with_deadline = [rid for rid in young if self.deadlines[rid] is not None]
+        not_late = [rid for rid in with_deadline if not self._surely_late(rid, now)]
+        if not not_late:
+            return _LATE
+        total = sum(self._time_bound(rid) for rid in with_deadline)
+        if all(self._deadline_or_inf(rid) - now >= total for rid in not_late):
+            return -1.0
         return None
 
     def _slo_class(self, rid: str, now: float) -> int | None:
@@ -478,6 +524,8 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
         if isinstance(policy, SloAwarePolicy):
             if left_out_by < chosen_by and self._surely_late(left_out, now):
                 self.reach.note("path: slo demoted a late request")
+            if self._surely_late(chosen, now) and self._slo_class(left_out, now) == _ON_TIME:
+                self.reach.note("path: slo ran a late request in an on-time one's slack")
         elif isinstance(policy, EarliestDeadlinePolicy) and chosen_by < left_out_by:
             if left_out in self.preempted_since_wave:
                 self.reach.note("path: edf preempted for an earlier deadline")
@@ -576,14 +624,16 @@ class DeadlineCoreLifecycleMachine(CoreLifecycleMachine):
         return self._deadline_or_inf(rid) < now
 
     def _surely_on_time(self, rid: str, now: float) -> bool:
-        """No deadline, or slack for every step at the slowest step the cost model can
-        have charged one wave (:attr:`longest_charge_s`), for its steps, a start and a
-        finish."""
+        """No deadline, or slack for its :meth:`_time_bound`."""
         deadline = self.deadlines[rid]
-        if deadline is None:
-            return True
+        return deadline is None or deadline - now >= self._time_bound(rid)
+
+    def _time_bound(self, rid: str) -> float:
+        """The most time the policy can judge ``rid`` to need: every step, a start and
+        a finish at the slowest step the cost model can have charged one wave
+        (:attr:`longest_charge_s`)."""
         steps = self.core.scheduler.requests[rid].params.num_inference_steps
         # Each estimate the policy adds up (a step, a start, a finish) is an average
         # or a least of charges; a start spans the first waves after it.
         charges = steps + START_WINDOW_WAVES + 1
-        return deadline - now >= charges * max(self.longest_charge_s, DEFAULT_STEP_S)
+        return charges * max(self.longest_charge_s, DEFAULT_STEP_S)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from diffusion_runtime.fsm import DEADLINE_REASON, LifecycleEvent, RequestStatus, Trigger
@@ -19,6 +20,7 @@ from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 from diffusion_runtime.scheduler.policies import (
     EarliestDeadlinePolicy,
     PriorityPolicy,
+    SchedulingPolicy,
     SloAwarePolicy,
 )
 from diffusion_runtime.scheduler.request import Request
@@ -78,17 +80,20 @@ def preempted_deadline_not_rewatched() -> Patch:
 
 def slo_serves_late_requests_first() -> Patch:
     def make(original: Any) -> Any:
-        def rank(self: SloAwarePolicy, request: Request, now: float) -> tuple[float, ...]:
+        def judge(
+            self: SloAwarePolicy, request: Request, now: float, engine_idle: bool
+        ) -> tuple[tuple[float, ...], float]:
             priority = request.params.priority
             if request.deadline is None:
-                return (1, 0.0, priority)
-            if request.deadline - now < self.judged_time(request, self.costs.is_idle(now)):
-                return (-1, request.deadline, priority)  # "already late: the most urgent"
-            return (0, request.deadline, priority)
+                return (1, 0.0, priority), 0.0
+            needed = self.time_needed(request, engine_idle)
+            if request.deadline - now < self.judged_time(request, engine_idle):
+                return (-1, request.deadline, priority), needed  # "already late: most urgent"
+            return (0, request.deadline, priority), needed
 
-        return rank
+        return judge
 
-    return _replace(SloAwarePolicy, "rank", make)
+    return _replace(SloAwarePolicy, "_judge", make)
 
 
 def aged_request_checked_only_at_the_head() -> Patch:
@@ -101,7 +106,7 @@ def aged_request_checked_only_at_the_head() -> Patch:
             free = self.max_num_running_reqs - len(self.running)
             if free <= 0 or not self.waiting:
                 return [], []
-            waiting = sorted(self.waiting.values(), key=lambda r: self.effective_rank(r, now))
+            waiting = self.ranked(self.waiting.values(), now)
             key = next(iter(self.running.values())).batch_key
             if waiting[0].batch_key != key and self.is_aged(waiting[0], now):
                 return [], []  # "drain the running set: the aged request's key goes next"
@@ -135,9 +140,7 @@ def preemption_ties_preempt_the_oldest() -> Patch:
             if not (may_preempt and self.policy.preemptive and self.waiting):
                 return original(self, now, may_preempt=may_preempt)  # type: ignore[no-any-return]
             candidates = [*self.running.values(), *self.waiting.values()]
-            chosen = self._choose_batch(
-                sorted(candidates, key=lambda r: self.effective_rank(r, now)), now
-            )
+            chosen = self._choose_batch(self.ranked(candidates, now), now)
             joining = [r for r in chosen if r.request_id not in self.running]
             key = chosen[0].batch_key
             of_key = [r for r in self.running.values() if r.batch_key == key]
@@ -146,7 +149,9 @@ def preemption_ties_preempt_the_oldest() -> Patch:
             # (by aging and rank; the admission order after them only orders the queue)"
             excess = max(0, len(of_key) + len(joining) - self.max_num_running_reqs)
             worst_first = sorted(
-                of_key, key=lambda r: self.effective_rank(r, now)[:2], reverse=True
+                of_key,
+                key=lambda r: (0,) if self.is_aged(r, now) else (1, self.policy.rank(r, now)),
+                reverse=True,
             )
             return [*others, *worst_first[:excess]], joining
 
@@ -167,15 +172,28 @@ def priority_inverted() -> Patch:
 
 def ties_keep_their_queue_position() -> Patch:
     def make(original: Any) -> Any:
-        def effective_rank(self: BaseScheduler, request: Request, now: float) -> tuple[Any, ...]:
-            if self.is_aged(request, now):
-                return (0, request.order)
+        def order(
+            self: SchedulingPolicy, requests: Sequence[Request], now: float, slots: int
+        ) -> list[Request]:
             # "sorted() is stable: equal ranks keep their place, no tie-break needed"
-            return (1, tuple(self.policy.rank(request, now)))
+            return sorted(requests, key=lambda request: tuple(self.rank(request, now)))
 
-        return effective_rank
+        return order
 
-    return _replace(BaseScheduler, "effective_rank", make)
+    return _replace(SchedulingPolicy, "order", make)
+
+
+def slo_parks_late_requests() -> Patch:
+    def make(original: Any) -> Any:
+        def order(
+            self: SloAwarePolicy, requests: Sequence[Request], now: float, slots: int
+        ) -> list[Request]:
+            # "a late request is lost anyway: it waits until no on-time request is left"
+            return SchedulingPolicy.order(self, requests, now, slots)
+
+        return order
+
+    return _replace(SloAwarePolicy, "order", make)
 
 
 def edf_ignores_priority() -> Patch:
@@ -205,6 +223,10 @@ DEADLINE_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="slo-late-first", mode="step", target="deadline-run_late",
              bug="the slo policy ranks late requests ahead of on-time ones",
              patch=slo_serves_late_requests_first),
+    Mutation(name="slo-parks-late", mode="step", target="deadline-run_late",
+             bug="the slo policy keeps a late request behind every on-time one, even those "
+                 "with time to spare",
+             patch=slo_parks_late_requests),
     Mutation(name="aged-checked-at-head", mode="step", target="deadline-patient",
              bug="a running set that does not preempt stops taking requests for an aged one of "
                  "another key only when it ranks first",
