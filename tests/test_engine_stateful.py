@@ -71,6 +71,8 @@ class FaultInjectingLifecycle(EngineLifecycleMachine):
     def _should_complete(self, rid: str) -> bool:
         """Whether ``rid`` ran and no injected fault touched it (its own or a batch mate's)."""
         prompt_of = {r: str(inputs[0]) for r, inputs in self.inputs.items()}
+        for run in self.batches:  # grouped prompts run as child requests
+            prompt_of.update(zip(run.child_ids, map(str, run.prompts), strict=True))
         if self.mode == "request":
             batches = [b for b in self.pipeline.forward_batches if rid in b]
             poisons, own_poisons = ("fail", "bad-step"), ("missing",)

@@ -529,3 +529,30 @@ def test_diffusers_adapters_load_on_every_actor_and_serve_as_in_process(
         assert remote.ok, remote.error
         assert torch.equal(remote.image_batch, here.image_batch)
     assert not torch.equal(over_ray[0].image_batch, over_ray[1].image_batch)
+
+
+def test_a_streamed_trajectory_crosses_the_object_store_part_by_part(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    """``stream_trajectory`` on Ray actors: each progress output's part, and the final
+    trajectory, as in process (one intra-op thread on both sides)."""
+    from test_streamed_trajectories import STREAMED, check_stream
+    from test_streamed_trajectories import config as digits_config
+
+    engine = ray_engine(
+        pipeline="digits",
+        execution_mode="step",
+        streaming_output=True,
+        intra_op_threads=1,
+        worker_extensions=(),
+    )
+
+    async def read() -> list[Any]:
+        rid = await engine.add_request("3", STREAMED)
+        return [output async for output in engine.stream(rid)]
+
+    outputs = asyncio.run(read())
+    quiet = attrs.evolve(STREAMED, stream_trajectory=False)
+    with DiffusionEngine.make_engine(digits_config(intra_op_threads=1)) as alone:
+        [expected] = alone.generate(["3"], quiet)
+    check_stream(outputs, expected)

@@ -134,6 +134,12 @@ class BatchFront(HarnessFront, Protocol):
         or it ended first)."""
         ...
 
+    async def batch_sent(self, request_id: str) -> None:
+        """Until the front has handed batch ``request_id`` on (its admission is sent,
+        or was refused): what the front does before its caller regains control
+        (the engine validates off its event loop on worker processes)."""
+        ...
+
     def unfinished_ids(self) -> frozenset[str]:
         """The requests whose final output has not reached the front (a batch's
         children by their own ids)."""
@@ -182,6 +188,7 @@ class EngineFront:
             batches=True,
         )
         self._batch_events: list[LifecycleEvent] = []
+        self._batches_sent: dict[str, asyncio.Event] = {}
         engine.groups.machine.subscribe(self._on_batch_event)
 
     @property
@@ -206,11 +213,21 @@ class EngineFront:
     async def add_batch(
         self, prompts: Sequence[Any], params: SamplingParams, request_id: str
     ) -> RequestOutput:
-        rid = await self.engine.add_request(
-            prompts=list(prompts), params=params, request_id=request_id
-        )
+        sent = self._batches_sent.setdefault(request_id, asyncio.Event())
+        try:
+            rid = await self.engine.add_request(
+                prompts=list(prompts), params=params, request_id=request_id
+            )
+        finally:  # admitted or refused: nothing more to wait for
+            sent.set()
         outputs = [output async for output in self.engine.stream(rid)]
         return outputs[-1]
+
+    async def batch_sent(self, request_id: str) -> None:
+        """Until the engine admitted (or refused) the batch: on worker processes its
+        validation runs off the event loop, so that takes more than one turn."""
+        await self._batches_sent.setdefault(request_id, asyncio.Event()).wait()
+        del self._batches_sent[request_id]
 
     def child_ids(self, request_id: str, count: int) -> list[str]:
         return [child_request_id(request_id, index) for index in range(count)]

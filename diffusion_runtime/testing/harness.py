@@ -239,7 +239,7 @@ class EngineLifecycleMachine(HarnessRoot):
         prompts, params, rid = self._draw_batch(data)
         front.pause()
         batch = self.loop.create_task(front.add_batch(prompts, params, rid))
-        self.loop.run_until_complete(asyncio.sleep(0))  # the admission is sent
+        self.loop.run_until_complete(front.batch_sent(rid))
         if batch.done():  # refused before it was sent
             batch.result()
         active = front.abort_batch(rid)

@@ -131,6 +131,10 @@ class StageFront:
     def child_ids(self, request_id: str, count: int) -> list[str]:
         return [child_request_id(request_id, index) for index in range(count)]
 
+    async def batch_sent(self, request_id: str) -> None:
+        """One turn of the loop: the client sends the admission on its first turn."""
+        await asyncio.sleep(0)
+
     def abort_batch(self, request_id: str) -> bool:
         """Abort a batch parent; return whether it was active when the abort was made
         (read in the same turn of the loop as the abort)."""
