@@ -107,6 +107,25 @@ def latency_by_class(outcomes: list[Outcome]) -> dict[str, dict[str, float]]:
     return table
 
 
+def policy_engines(stack: contextlib.ExitStack, max_num_seqs: int) -> dict[str, DiffusionEngine]:
+    """One digits engine in step mode per policy, closed with ``stack``."""
+    return {
+        policy: stack.enter_context(
+            DiffusionEngine.make_engine(
+                EngineConfig(
+                    pipeline="digits",
+                    device="cpu",
+                    execution_mode="step",
+                    max_num_seqs=max_num_seqs,
+                    intra_op_threads=1,
+                    scheduling_policy=policy,
+                )
+            )
+        )
+        for policy in POLICIES
+    }
+
+
 def serve_round(
     engines: dict[str, DiffusionEngine],
     trace: list[Arrival],
@@ -233,21 +252,7 @@ def run(
         "bursty": bursty_trace(count, burst_size, burst_gap_s, seed),
     }
     with contextlib.ExitStack() as stack:
-        engines = {
-            policy: stack.enter_context(
-                DiffusionEngine.make_engine(
-                    EngineConfig(
-                        pipeline="digits",
-                        device="cpu",
-                        execution_mode="step",
-                        max_num_seqs=max_num_seqs,
-                        intra_op_threads=1,
-                        scheduling_policy=policy,
-                    )
-                )
-            )
-            for policy in POLICIES
-        }
+        engines = policy_engines(stack, max_num_seqs)
         results = {
             name: serve_trace(engines, trace, solo_repeats, rounds, scales)
             for name, trace in traces.items()

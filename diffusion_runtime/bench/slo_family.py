@@ -27,13 +27,11 @@ from typing import Any
 
 import attrs
 
-from diffusion_runtime.bench.slo import POLICIES, Outcome, replay, solo_latencies
+from diffusion_runtime.bench.slo import POLICIES, Outcome, policy_engines, replay, solo_latencies
 from diffusion_runtime.bench.slo_sim import STEP_S, solo_latency
 from diffusion_runtime.bench.slo_sim import replay as replay_virtual
 from diffusion_runtime.bench.slo_trace import Arrival, RequestClass
 from diffusion_runtime.bench.stats import percentile
-from diffusion_runtime.config import EngineConfig
-from diffusion_runtime.engine import DiffusionEngine
 
 SHAPES = ("long-first", "short-first", "interleaved", "poisson")
 FAMILY_SCALES = (1.2, 1.5, 2.0, 3.0)
@@ -253,21 +251,7 @@ def serve_real(trace: FamilyTrace, rounds: int, solo_repeats: int) -> list[dict[
     measures the solo latencies again (the deadlines are ``scale`` times them) and
     serves the trace with every policy, in an order that rotates from round to round."""
     with contextlib.ExitStack() as stack:
-        engines = {
-            policy: stack.enter_context(
-                DiffusionEngine.make_engine(
-                    EngineConfig(
-                        pipeline="digits",
-                        device="cpu",
-                        execution_mode="step",
-                        max_num_seqs=trace.max_num_seqs,
-                        intra_op_threads=1,
-                        scheduling_policy=policy,
-                    )
-                )
-            )
-            for policy in POLICIES
-        }
+        engines = policy_engines(stack, trace.max_num_seqs)
         served = []
         for round_index in range(rounds):
             solo = solo_latencies(engines["fifo"], solo_repeats, trace.classes)
