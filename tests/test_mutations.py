@@ -105,6 +105,7 @@ FAST_SUBSET = {
     "custom-timesteps-ignored-on-join",
     "group-merge-drops-last-child",
     "group-trajectories-along-steps",
+    "streamed-parts-share-one-counter",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -319,6 +320,13 @@ def test_the_real_runtime_returns_latents_and_trajectories_as_the_oracle(mode: s
     if mode == "step":
         required.update(REQUIRED_REACH["outputs-step"])
     passes_and_reaches(outputs_harness(mode), OUTPUTS_EXAMPLES, required)
+
+
+def test_streamed_trajectory_parts_join_to_the_final_trajectory() -> None:
+    """The outputs-streamed target: trajectories streamed with the progress outputs,
+    part after part, across preemptions, join to each final trajectory bit for bit."""
+    required = {"output: a streamed trajectory joined to the final one": 50}
+    passes_and_reaches(harness_for("outputs-streamed", "step"), OUTPUTS_EXAMPLES, required)
 
 
 @pytest.mark.parametrize("mode", ["request", "step"])

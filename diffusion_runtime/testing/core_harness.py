@@ -55,7 +55,7 @@ from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent, RequestStatus
 from diffusion_runtime.fsm.events import DeliveryEvent, RunnerEvent, TraceEvent, WaveEvent
 from diffusion_runtime.fsm.trace import JsonlTraceWriter
-from diffusion_runtime.outputs import STAGES, RequestOutput, images_digest
+from diffusion_runtime.outputs import STAGES, RequestOutput, Trajectory, images_digest
 from diffusion_runtime.sampling_params import MAX_PRIORITY, SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.testing.copies_in_flight import CopiesInFlight
@@ -80,6 +80,8 @@ class RequestRecord:
     #: The core refused it at admission (a final error output, no lifecycle).
     refused: bool = False
     final: RequestOutput | None = None
+    #: The trajectory parts its progress outputs carried (``stream_trajectory``).
+    streamed: list[Trajectory] = attrs.field(factory=list)
     #: The digest of the final output's images when it was delivered.
     delivered_digest: str | None = None
     waves: set[int] = attrs.field(factory=set)
@@ -666,6 +668,7 @@ class CoreLifecycleMachine(SleepRules):
                 assert output.status is RequestStatus.RUNNING, output
                 assert record.final is None, f"a progress output after the final one: {output}"
                 self.reach.note("path: progress output")
+                self._take_part(record, output)
                 continue
             assert record.final is None, f"a second final output: {output}"
             if record.refused:
@@ -687,12 +690,47 @@ class CoreLifecycleMachine(SleepRules):
                     self.check_against_expected(*args, expected)
                 else:
                     self.check_against_the_pipeline(*args)
+                self._check_streamed(record, output)
                 if record.preempted:
                     self.reach.note("path: a preempted request completed as the oracle")
                     if output.trajectory is not None:
                         self.reach.note("output: a preempted request's trajectory")
                     if record.params.timesteps is not None:
                         self.reach.note("output: a preempted request on custom timesteps")
+
+    def _take_part(self, record: RequestRecord, output: RequestOutput) -> None:
+        """A progress output carries a trajectory part only if its request streams its
+        trajectory, and each part starts where the one before it ended."""
+        part = output.trajectory
+        if part is None:
+            return
+        rid = output.request_id
+        assert record.params.stream_trajectory, f"{rid!r} streams no trajectory, yet got {part}"
+        start = record.streamed[-1].end_step if record.streamed else 0
+        assert part.first_step == start and part.end_step > start, (
+            f"{rid!r}: a part of steps [{part.first_step}, {part.end_step}) after the parts "
+            f"up to step {start}"
+        )
+        record.streamed.append(part)
+
+    def _check_streamed(self, record: RequestRecord, output: RequestOutput) -> None:
+        """The parts a completed request streamed, with what its final output adds after
+        them, are its final trajectory, bit for bit."""
+        whole = output.trajectory
+        if not record.streamed or whole is None:
+            return
+        rid = output.request_id
+        joined = Trajectory.join([*record.streamed, whole.steps_from(record.streamed[-1].end_step)])
+        assert joined.timesteps == whole.timesteps, f"{rid!r}: streamed timesteps differ"
+        assert joined.log_prob_steps == whole.log_prob_steps, f"{rid!r}: log-prob steps differ"
+        assert torch.equal(joined.latents, whole.latents), (
+            f"{rid!r}: the streamed parts' latents differ from its final trajectory's"
+        )
+        pair = (joined.log_probs, whole.log_probs)
+        assert (pair[0] is None) == (pair[1] is None) and (
+            pair[0] is None or pair[1] is None or torch.equal(pair[0], pair[1])
+        ), f"{rid!r}: the streamed parts' log-probabilities differ from its final trajectory's"
+        self.reach.note("output: a streamed trajectory joined to the final one")
 
     def _record(self, event: TraceEvent) -> None:
         super()._record(event)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import attrs
+import torch
 
 from diffusion_runtime import core
 from diffusion_runtime.contracts import RunnerOutput
@@ -18,6 +19,7 @@ from diffusion_runtime.pipelines.protocols import StepRequestState
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.testing.mutation import Mutation, Patch
 from diffusion_runtime.testing.patching import replace_attribute
+from diffusion_runtime.trajectory import TrajectoryRecorder, TrajectoryTensors
 
 
 def last_step_not_recorded() -> Patch:
@@ -119,6 +121,25 @@ def slots_read_at_the_image_dtype() -> Patch:
     return replace_attribute(segments, "read_slots", make)
 
 
+def one_counter_for_streamed_parts() -> Patch:
+    def make(original: Any) -> Any:
+        def take_part(self: TrajectoryRecorder, timesteps: tuple[int, ...]) -> TrajectoryTensors:
+            start = self.taken[0]
+            # "one counter: each step records its latents and its log-prob together"
+            self.taken = (len(self.latents), len(self.latents))
+            new_log_probs = self.log_probs[start:]
+            return TrajectoryTensors(
+                torch.stack(self.latents[start:]),
+                torch.stack(new_log_probs) if new_log_probs else None,
+                timesteps[max(start - 1, 0) : len(self.latents) - 1],
+                tuple(self.log_prob_steps[start:]),
+            )
+
+        return take_part
+
+    return replace_attribute(TrajectoryRecorder, "take_part", make)
+
+
 OUTPUT_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="trajectory-last-step-dropped", mode="step", target="outputs",
              bug="the runner does not record a request's last step in its trajectory",
@@ -138,4 +159,7 @@ OUTPUT_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="mp-slots-read-as-images", mode="step", target="outputs-mp",
              bug="the core reads every tensor a worker sends at the images' dtype (float32)",
              patch=slots_read_at_the_image_dtype),
+    Mutation(name="streamed-parts-share-one-counter", mode="step", target="outputs-streamed",
+             bug="a streamed trajectory part counts its log-probs from where its latents start",
+             patch=one_counter_for_streamed_parts),
 )  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import hypothesis.strategies as st
 
 from diffusion_runtime.sampling_params import SamplingParams
@@ -37,13 +38,16 @@ def sampling_params(
     deadlines: st.SearchStrategy[float | None] | None = None,
     output_options: bool = False,
     schedules: bool = False,
+    stream_trajectories: bool = False,
 ) -> st.SearchStrategy[SamplingParams]:
     """Valid, cheap sampling parameters with an explicit seed; ``priorities``
     bounds the drawn ``priority`` (a preemptive policy preempts on it) and
     ``deadlines`` draws ``deadline_s`` (default: no deadline). With
     ``output_options``, ``output_type`` and ``return_trajectory`` are drawn too,
     and ``extra_args={"noise": ...}`` (the testing pipelines' stochastic steps).
-    With ``schedules``, some requests bring :func:`custom_timesteps`.
+    With ``schedules``, some requests bring :func:`custom_timesteps`. With
+    ``stream_trajectories`` (an engine with ``streaming_output``), a request
+    that asks for a trajectory streams it half the time.
 
     Small seed and step ranges make equal requests likely, which lets the
     identity checks compare outputs of equal inputs in different batches.
@@ -64,7 +68,15 @@ def sampling_params(
             **({"timesteps": custom_timesteps(steps)} if schedules else {}),
         )
 
-    return st.sampled_from(sizes or [None]).flatmap(with_size)
+    drawn = st.sampled_from(sizes or [None]).flatmap(with_size)
+    if not stream_trajectories:
+        return drawn
+    return drawn.flatmap(
+        lambda params: st.builds(
+            lambda streams: attrs.evolve(params, stream_trajectory=streams),
+            st.booleans() if params.return_trajectory else st.just(False),
+        )
+    )
 
 
 def digit_prompts() -> st.SearchStrategy[Any]:

@@ -109,10 +109,11 @@ def preempt_harness() -> type[CoreLifecycleMachine]:
 
 
 def output_params(
-    mode: str, priorities: tuple[int, int] = (0, 0)
+    mode: str, priorities: tuple[int, int] = (0, 0), streams: bool = False
 ) -> st.SearchStrategy[SamplingParams]:
     """Sampling parameters with output options drawn per request: latents,
-    trajectories, stochastic steps with log-probabilities, custom timesteps."""
+    trajectories, stochastic steps with log-probabilities, custom timesteps (and
+    with ``streams``, trajectories streamed with the progress outputs)."""
     return sampling_params(
         steps=(1, 3) if mode == "request" else (2, 6),
         outputs=(1, 2),
@@ -120,21 +121,26 @@ def output_params(
         priorities=priorities,
         output_options=True,
         schedules=True,
+        stream_trajectories=streams,
     )
 
 
-def outputs_harness(mode: str, backend: str = "uni") -> type[CoreLifecycleMachine]:
+def outputs_harness(
+    mode: str, backend: str = "uni", streams: bool = False
+) -> type[CoreLifecycleMachine]:
     """The core harness over ``backend`` with output options drawn per request
     (:func:`output_params`): in step mode under the preemptive priority policy
     with host offload, so trajectories resume mid-way; in request mode in
-    batched waves."""
+    batched waves. ``streams`` (step mode, whose engine streams progress) draws
+    ``stream_trajectory`` too."""
     policy, offload = ("priority", 16 * 2**10) if mode == "step" else ("fifo", 0)
+    priorities = (0, 3) if mode == "step" else (0, 0)
     return core_lifecycle_machine(
         lambda: config(mode, backend, policy=policy, preempted_offload_bytes=offload),
         prompts=PROMPTS,
         failing_prompts=FAILING_PROMPTS,
         pipeline_options=st.fixed_dictionaries({"batched_steps": st.sampled_from([True, False])}),
-        params=output_params(mode, priorities=(0, 3) if mode == "step" else (0, 0)),
+        params=output_params(mode, priorities, streams),
     )
 
 
@@ -292,8 +298,9 @@ def lockstep_harness(mode: str) -> type[EngineLifecycleMachine]:
 #: under the default core harness), ``lora`` (an EngineCore with LoRA adapters
 #: over the digits pipeline), ``outputs`` (an EngineCore serving latents and
 #: trajectories, preempting in step mode), ``outputs-mp`` (the same over the mp
-#: executor), ``outputs-front`` and ``outputs-stage`` (the front and stage targets
-#: with output options drawn).
+#: executor), ``outputs-streamed`` (the same in step mode, trajectories streamed
+#: with the progress outputs), ``outputs-front`` and ``outputs-stage`` (the front
+#: and stage targets with output options drawn).
 #: The preemptive and deadline targets
 #: run in step mode whatever the mode.
 HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
@@ -312,6 +319,7 @@ HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "lora": lora_harness,
     "outputs": outputs_harness,
     "outputs-mp": lambda mode: outputs_harness(mode, "mp"),
+    "outputs-streamed": lambda mode: outputs_harness("step", streams=True),
     "outputs-front": front_outputs_harness,
     "outputs-stage": lambda mode: front_outputs_harness(mode, "stage"),
 }
