@@ -104,7 +104,6 @@ FAST_SUBSET = {
     "trajectory-of-a-batch-mate",
     "custom-timesteps-ignored-on-join",
     "group-merge-drops-last-child",
-    "group-trajectories-along-steps",
     "streamed-parts-share-one-counter",
 }
 
