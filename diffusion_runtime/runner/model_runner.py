@@ -290,21 +290,23 @@ class ModelRunner:
     def _run_step_by_request(
         self, pipeline: StepPipeline, batch: InputBatch, before: list[int], result: RunnerOutput
     ) -> None:
-        finished: list[StepRequestState] = []
-        with _timed(_costs(result), batch.request_ids, "denoise"):
+        costs = _costs(result)
+        with _timed(costs, batch.request_ids, "denoise"):
             model_outputs = _one_result_each(
                 pipeline.denoise_step, batch, result, ("denoise_step", "outputs")
             )
-            if model_outputs is None:
-                return
-            for state, model_output, step_index in zip(batch, model_outputs, before, strict=True):
-                try:
+        if model_outputs is None:
+            return
+        finished: list[StepRequestState] = []
+        for state, model_output, step_index in zip(batch, model_outputs, before, strict=True):
+            try:
+                with _timed(costs, (state.request_id,), "denoise"):
                     pipeline.step_scheduler(state, model_output)
-                except Exception as exc:
-                    _reraise_if_sticky(exc)
-                    result.errors[state.request_id] = describe_error(exc)
-                    continue
-                self._report(state, step_index, result, finished)
+            except Exception as exc:
+                _reraise_if_sticky(exc)
+                result.errors[state.request_id] = describe_error(exc)
+                continue
+            self._report(state, step_index, result, finished)
         self._decode(pipeline, finished, result)
 
     def _report(
