@@ -719,17 +719,9 @@ class CoreLifecycleMachine(SleepRules):
         whole = output.trajectory
         if not record.streamed or whole is None:
             return
-        rid = output.request_id
         joined = Trajectory.join([*record.streamed, whole.steps_from(record.streamed[-1].end_step)])
-        assert joined.timesteps == whole.timesteps, f"{rid!r}: streamed timesteps differ"
-        assert joined.log_prob_steps == whole.log_prob_steps, f"{rid!r}: log-prob steps differ"
-        assert torch.equal(joined.latents, whole.latents), (
-            f"{rid!r}: the streamed parts' latents differ from its final trajectory's"
-        )
-        pair = (joined.log_probs, whole.log_probs)
-        assert (pair[0] is None) == (pair[1] is None) and (
-            pair[0] is None or pair[1] is None or torch.equal(pair[0], pair[1])
-        ), f"{rid!r}: the streamed parts' log-probabilities differ from its final trajectory's"
+        what = f"{output.request_id!r}: the streamed parts'"
+        self.check_same_trajectory(joined, whole, 0.0, what, "its final trajectory's")
         self.reach.note("output: a streamed trajectory joined to the final one")
 
     def _record(self, event: TraceEvent) -> None:

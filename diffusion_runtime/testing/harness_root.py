@@ -29,13 +29,13 @@ from diffusion_runtime.executor.base import DiffusionExecutor
 from diffusion_runtime.fsm import TERMINAL_STATES, LifecycleEvent
 from diffusion_runtime.fsm.audit import Auditor
 from diffusion_runtime.fsm.events import TraceEvent
-from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.outputs import RequestOutput, Trajectory
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.scheduler.base import BaseScheduler
 from diffusion_runtime.testing.oracle import DirectOracle
 from diffusion_runtime.testing.reach import Reach
 from diffusion_runtime.testing.strategies import sampling_params
-from diffusion_runtime.trajectory import SampledOutput
+from diffusion_runtime.trajectory import SampledOutput, TrajectoryTensors
 
 #: How many seed-dependence checks one example makes (each is two direct forwards).
 SEED_CHECKS_PER_EXAMPLE = 2
@@ -202,20 +202,35 @@ class HarnessRoot(RuleBasedStateMachine):
         self.reach.note(f"output: a trajectory ({params.return_trajectory})")
         if got.log_probs is not None:
             self.reach.note("output: log-probabilities of stochastic steps")
+        self.check_same_trajectory(
+            got, wanted, tolerance, f"{rid!r}: trajectory", f"the direct run's {where}"
+        )
+
+    def check_same_trajectory(
+        self,
+        got: Trajectory | TrajectoryTensors,
+        wanted: Trajectory | TrajectoryTensors,
+        tolerance: float,
+        what: str,
+        theirs: str,
+    ) -> None:
+        """``got`` has ``wanted``'s timesteps and log-prob steps, and its latents and
+        log-probabilities within ``tolerance``; a failure says ``what`` differs
+        from ``theirs``."""
         steps = (got.timesteps, got.log_prob_steps)
         assert steps == (wanted.timesteps, wanted.log_prob_steps), (
-            f"{rid!r}: trajectory timesteps and log-prob steps {steps} differ from the "
-            f"direct run's {(wanted.timesteps, wanted.log_prob_steps)} {where}"
+            f"{what} timesteps and log-prob steps {steps} differ from "
+            f"{theirs} {(wanted.timesteps, wanted.log_prob_steps)}"
         )
         assert self.oracle.matches(wanted.latents, got.latents, tolerance), (
-            f"{rid!r}: trajectory latents differ from the direct run's {where}"
+            f"{what} latents differ from {theirs}"
         )
         log_probs = (wanted.log_probs, got.log_probs)
         assert (log_probs[0] is None) == (log_probs[1] is None) and (
             log_probs[0] is None
             or log_probs[1] is None
             or self.oracle.matches(log_probs[0], log_probs[1], tolerance)
-        ), f"{rid!r}: trajectory log-probabilities differ from the direct run's {where}"
+        ), f"{what} log-probabilities differ from {theirs}"
 
 
 def _main_tensor(expected: torch.Tensor | SampledOutput | None) -> torch.Tensor | None:
