@@ -260,8 +260,8 @@ class EngineCore:
             )
         try:
             self._adapters.check_loadable(lora)
-        except AdapterFileError as exc:
-            rule = f"names adapter {lora.adapter_id}, which is not loaded and cannot be: {exc}"
+        except AdapterFileError as exc:  # loaded from another file (workers check the rest)
+            rule = f"names adapter {lora.adapter_id} with another file than the loaded one: {exc}"
             raise InvalidFieldError("SamplingParams", "lora", rule, lora) from exc
 
     def add_request(
