@@ -1029,7 +1029,6 @@ def _fingerprint(request: Request) -> str:
         sorted((k, repr(v)) for k, v in p.extra_args.items()),
         *(() if p.lora is None else (repr(p.lora),)),
         *(() if p.decodes else ("latent",)),
-        *(() if p.timesteps is None else (("timesteps", p.timesteps),)),
-        *(() if p.sigmas is None else (("sigmas", p.sigmas),)),
+        *(() if p.custom_schedule is None else (p.custom_schedule,)),
     )
     return hashlib.blake2b(repr(inputs).encode(), digest_size=12).hexdigest()
