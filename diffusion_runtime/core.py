@@ -925,6 +925,7 @@ class EngineCore:
                     tuple(result.released),
                     time.monotonic(),
                     steps=tuple(result.progress.values()),
+                    cached_steps=_cached_steps(result),
                 )
             )
 
@@ -1021,6 +1022,13 @@ def _as_dead(exc: BaseException) -> EngineDeadError:
     if isinstance(exc, Exception):
         logger.exception("the engine core failed")
     return EngineDeadError(f"the engine core failed: {describe_error(exc)}")
+
+
+def _cached_steps(result: RunnerOutput) -> tuple[tuple[str, int], ...]:
+    """The ids whose steps in ``result`` reused a cached model output, with how many."""
+    if result.costs is None:
+        return ()
+    return tuple((rid, cached) for rid, (_, cached) in result.costs.steps.items() if cached)
 
 
 def _fingerprint(request: Request, cache: CacheSettings | None) -> str:

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -18,8 +19,11 @@ import torch
 from diffusion_runtime import DiffusionEngine, EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.fsm import RequestStatus
+from diffusion_runtime.fsm.events import RunnerEvent
+from diffusion_runtime.fsm.trace import read_trace
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.runner.worker import Worker
+from diffusion_runtime.serving.metrics import EngineMetrics
 
 S = RequestStatus
 #: Skips about a third of the steps of a 12-step request (measured).
@@ -242,3 +246,25 @@ def test_the_cached_tensors_go_with_the_request(end: str) -> None:
         "shutdown": S.FINISHED_ABORTED,
     }
     assert finals["r"].status is expected[end]
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["step", "request"])
+def test_the_trace_and_prometheus_show_the_cached_steps(mode: str, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    config = engine_config(execution_mode=mode, trace_path=str(trace))
+    with DiffusionEngine.make_engine(config) as engine:
+        metrics = EngineMetrics(engine)
+        metrics.attach()
+        outs = engine.generate([p for p, _ in MIX], [params for _, params in MIX])
+        counted = metrics.registry.get_sample_value("diffusion_cached_steps_total")
+    reported = {out.request_id: out.metrics.cached_steps for out in outs if out.metrics}
+    traced: dict[str, int] = {}
+    for event in read_trace(trace):
+        if isinstance(event, RunnerEvent):
+            for rid, count in event.cached_steps:
+                traced[rid] = traced.get(rid, 0) + count
+    assert traced == {rid: count for rid, count in reported.items() if count}
+    assert counted == sum(reported.values()) > 0
