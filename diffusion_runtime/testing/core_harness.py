@@ -691,6 +691,10 @@ class CoreLifecycleMachine(SleepRules):
                 else:
                     self.check_against_the_pipeline(*args)
                 self._check_streamed(record, output)
+                if output.metrics is not None and output.metrics.cached_steps:
+                    self.reach.note("path: a request reused cached model outputs as the oracle")
+                    if record.preempted:
+                        self.reach.note("path: a preempted request reused cached outputs")
                 if record.preempted:
                     self.reach.note("path: a preempted request completed as the oracle")
                     if output.trajectory is not None:
