@@ -17,14 +17,15 @@ from diffusion_runtime.cache_settings import CacheSettings
 
 
 def relative_l1(current: torch.Tensor, previous: torch.Tensor) -> float:
-    """``mean|current - previous| / mean|previous|`` over one request's tensors.
+    """``sum|current - previous| / sum|previous|`` over one request's tensors (one
+    read back to the host; ``inf`` or ``nan``, so never below a threshold, when
+    ``previous`` is all zeros).
 
     The result depends only on the two tensors: their shapes are the request's
     own, whatever it is batched with, so every reduction runs the same way.
     """
-    change = (current - previous).abs().sum().item()
-    scale = previous.abs().sum().item()
-    return change / scale if scale > 0 else float("inf")
+    change = (current - previous).abs().sum()
+    return float((change / previous.abs().sum()).item())
 
 
 @attrs.define(eq=False)
