@@ -15,5 +15,8 @@ def test_the_cache_benchmark_reports_the_curve_and_the_mixed_batch() -> None:
     assert curve["0"]["recognition"] == curve["uncached"]["recognition"]
     assert curve["0.5"]["skipped_fraction"] > 0 and curve["0.5"]["fewer_evaluations"] > 1
     mixed = result["mixed_step_batch"]
-    assert set(mixed["images_per_s"]) == {"uncached", "half_cached"}
+    assert (
+        set(mixed["images_per_s"]) == set(mixed["images_per_cpu_s"]) == {"uncached", "half_cached"}
+    )
+    assert all(point["images_per_cpu_s"] > 0 for point in curve.values())
     assert 0 < mixed["skipped_fraction"] < 1
