@@ -221,6 +221,7 @@ class DigitsPipeline:
         return outputs
 
     def _noise(self, states: Sequence[StepRequestState]) -> list[torch.Tensor]:
+        """One network pass over ``states``; guided noise per state."""
         xs: list[torch.Tensor] = []
         labels: list[torch.Tensor] = []
         timesteps: list[int] = []
@@ -262,6 +263,8 @@ class DigitsPipeline:
         form a group whose latents stay stacked while the running set is
         unchanged (in the ``InputBatch`` cache); the update is element-wise, so
         each row gets exactly what :meth:`step_scheduler` would give it.
+        A state whose step cache reuses its previous output this step stays
+        out of the network pass (``docs/caching.md``).
         """
         cache: dict[str, Any] = getattr(states, "cache", {})
         groups: list[_StepGroup] | None = cache.get("groups")
