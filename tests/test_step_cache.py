@@ -24,6 +24,7 @@ from diffusion_runtime.fsm.trace import read_trace
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.runner.worker import Worker
 from diffusion_runtime.serving.metrics import EngineMetrics
+from diffusion_runtime.testing.virtual_clock import VirtualClock
 
 S = RequestStatus
 #: Skips about a third of the steps of a 12-step request (measured).
@@ -52,8 +53,9 @@ def engine_config(**overrides: Any) -> EngineConfig:
 
 
 @contextlib.contextmanager
-def open_core(**overrides: Any) -> Iterator[EngineCore]:
-    core = EngineCore(engine_config(execution_mode="step", **overrides))
+def open_core(clock: VirtualClock | None = None, **overrides: Any) -> Iterator[EngineCore]:
+    config = engine_config(execution_mode="step", **overrides)
+    core = EngineCore(config) if clock is None else EngineCore(config, clock=clock)
     try:
         yield core
     finally:
@@ -225,11 +227,24 @@ class CacheProbe:
         cache = self.worker.runner.states[request_id].step_cache
         return [weakref.ref(t) for t in (cache.prediction, cache.signal) if t is not None]
 
+    def inject_fault(self, request_id: str) -> None:
+        """Break the request's conditioning, so that its next step raises."""
+        runner = self.worker.runner
+        runner.states[request_id].conditioning = "not a tensor"
+        runner.input_batch.invalidate()
 
-@pytest.mark.parametrize("end", ["finish", "abort", "shutdown"])
+
+@pytest.mark.parametrize("end", ["finish", "abort", "fail", "deadline", "shutdown"])
 def test_the_cached_tensors_go_with_the_request(end: str) -> None:
-    with open_core(worker_extensions=[CacheProbe]) as core:
-        params = SamplingParams(num_inference_steps=12, seed=1)
+    clock = VirtualClock()
+    with open_core(
+        clock,
+        worker_extensions=[CacheProbe],
+        max_num_seqs=1,
+        scheduling_policy="priority",
+        deadline_miss="drop",
+    ) as core:
+        params = SamplingParams(num_inference_steps=12, seed=1, priority=5, deadline_s=1.0)
         core.add_request("r", "1", params, seed=1)
         for _ in range(3):
             core.step()
@@ -237,12 +252,21 @@ def test_the_cached_tensors_go_with_the_request(end: str) -> None:
         assert len(refs) == 2 and all(ref() is not None for ref in refs)
         if end == "abort":
             core.abort(["r"])
+        elif end == "fail":
+            core.collective_rpc("inject_fault", ("r",))
+        elif end == "deadline":  # preempted, then its deadline passes while it waits
+            core.add_request("urgent", "9", SamplingParams(num_inference_steps=3), seed=9)
+            core.step()
+            assert core.scheduler.requests["r"].state is S.PREEMPTED
+            clock.advance(2.0)
         finals = drain(core) if end != "shutdown" else {o.request_id: o for o in core.shutdown()}
         gc.collect()
         assert all(ref() is None for ref in refs), end
     expected = {
         "finish": S.FINISHED_COMPLETED,
         "abort": S.FINISHED_ABORTED,
+        "fail": S.FINISHED_ERROR,
+        "deadline": S.FINISHED_ABORTED,
         "shutdown": S.FINISHED_ABORTED,
     }
     assert finals["r"].status is expected[end]
