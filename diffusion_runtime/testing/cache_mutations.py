@@ -1,6 +1,7 @@
 """Bugs in per-request step caching (``docs/caching.md``), which the ``cache``
-target must catch with its identity check: a request's images equal the
-oracle's, which runs it alone."""
+target must catch: with its identity check (a request's images equal the
+oracle's, which runs it alone), or with its metrics check (model evaluations
+and cached steps add up to the steps run)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from diffusion_runtime.contracts import WaveCosts
 from diffusion_runtime.pipelines.digits import pipeline as digits_pipeline
 from diffusion_runtime.pipelines.protocols import StepRequestState
 from diffusion_runtime.testing.mutation import Mutation, Patch
@@ -53,6 +55,17 @@ def reuses_a_batch_mates_prediction() -> Patch:
     return replace_attribute(digits_pipeline, "reused_predictions", make)
 
 
+def skipped_step_charged_to_the_model() -> Patch:
+    def make(original: Any) -> Any:
+        def count_steps(self: WaveCosts, request_id: str, evaluations: int, cached: int) -> None:
+            # "a skipped row was in the batch, so it counts as evaluated"
+            original(self, request_id, evaluations + cached, cached)
+
+        return count_steps
+
+    return replace_attribute(WaveCosts, "count_steps", make)
+
+
 #: Run by the ``cache`` target: the core over the digits pipeline with a step cache.
 CACHE_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
@@ -68,5 +81,12 @@ CACHE_MUTATIONS: tuple[Mutation, ...] = (
         target="cache",
         bug="a request that skips a step reuses a batch mate's cached model output",
         patch=reuses_a_batch_mates_prediction,
+    ),
+    Mutation(
+        name="cache-skip-charged-as-evaluation",
+        mode="step",
+        target="cache",
+        bug="a step that reused its cached output is still counted as a model evaluation",
+        patch=skipped_step_charged_to_the_model,
     ),
 )
