@@ -369,6 +369,7 @@ def _report_audit(
 
 BENCHMARKS = {
     "audit": "diffusion_runtime.bench.audit:run",
+    "cache": "diffusion_runtime.bench.cache:run",
     "control-plane": "diffusion_runtime.bench.control_plane:run",
     "step-vs-request": "diffusion_runtime.bench.step_vs_request:run",
     "dit": "diffusion_runtime.bench.dit:run",

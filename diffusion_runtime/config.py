@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import torch
 
+from diffusion_runtime.cache_settings import check_backend, check_cache_dict
 from diffusion_runtime.validation import (
     fail,
     finite_in_range,
@@ -99,6 +100,10 @@ def _is_optional_path(instance: Any, attribute: attrs.Attribute[Any], value: Any
         fail(instance, attribute.name, "must be a non-empty file path or None", value)
 
 
+def _copy_dict(value: Any) -> Any:
+    return dict(value) if isinstance(value, dict) else value
+
+
 def _list_to_tuple(value: Any) -> Any:
     """A list becomes a tuple; anything else is left for the validator to judge."""
     return tuple(value) if isinstance(value, list) else value
@@ -117,6 +122,14 @@ def _is_extension_list(instance: Any, attribute: attrs.Attribute[Any], value: An
             "must be a list or tuple of classes or 'module:attr' import paths",
             value,
         )
+
+
+def _is_cache_backend(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    check_backend(type(instance).__name__, attribute.name, value, optional=True)
+
+
+def _is_cache_config(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    check_cache_dict(type(instance).__name__, attribute.name, value, backend_key=False)
 
 
 @attrs.frozen(slots=True)
@@ -178,6 +191,11 @@ class EngineConfig:
     ``max_trajectory_steps`` bounds the memory of one returned trajectory: a
     request with ``return_trajectory`` and more steps is refused at admission
     (``docs/outputs.md``).
+    ``cache_backend`` turns on a step cache for every request (``"tea_cache"``,
+    ``"first_block"``; the pipeline must serve it, checked at start-up) with
+    the settings in ``cache_config`` (``rel_l1_thresh``, ``warmup_steps``,
+    ``max_consecutive_skips``); a request may opt out or override them with
+    ``SamplingParams.cache`` (``docs/caching.md``).
     """
 
     pipeline: str | Callable[..., Any] = attrs.field(default="digits", validator=_is_pipeline_spec)
@@ -234,6 +252,10 @@ class EngineConfig:
     max_lora_rank: int = attrs.field(default=16, validator=int_in_range(1, 1024))
     profile_dir: str | None = attrs.field(default=None, validator=_is_optional_path)
     max_trajectory_steps: int = attrs.field(default=1000, validator=int_in_range(1, 100_000))
+    cache_backend: str | None = attrs.field(default=None, validator=_is_cache_backend)
+    cache_config: dict[str, Any] = attrs.field(
+        factory=dict, converter=_copy_dict, validator=_is_cache_config, hash=False
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

@@ -97,11 +97,15 @@ class WaveCosts:
     (``encode``, ``denoise``, ``decode``; a call shared by a batch counts in
     full for each of its requests); ``peak_memory_bytes`` is the worker's
     memory high-water mark during the wave (``None``: not measurable there).
+    ``steps`` maps each request to the denoising steps the wave took for it:
+    ``(model evaluations, cached steps)`` (a step cache reused the model's
+    output instead of running it).
     """
 
     seconds: float = 0.0
     phases: dict[str, dict[str, float]] = attrs.field(factory=dict)
     peak_memory_bytes: int | None = None
+    steps: dict[str, tuple[int, int]] = attrs.field(factory=dict)
 
     def charge(self, request_ids: Iterable[str], phase: str, seconds: float) -> None:
         """Add ``seconds`` of ``phase`` to each of ``request_ids``."""
@@ -109,6 +113,11 @@ class WaveCosts:
         for request_id in request_ids:
             spent = phases.setdefault(request_id, {})
             spent[phase] = spent.get(phase, 0.0) + seconds
+
+    def count_steps(self, request_id: str, evaluations: int, cached: int) -> None:
+        """Add steps taken for ``request_id``: ``evaluations`` ran the model, ``cached`` did not."""
+        ran, reused = self.steps.get(request_id, (0, 0))
+        self.steps[request_id] = (ran + evaluations, reused + cached)
 
 
 @attrs.frozen(slots=True)

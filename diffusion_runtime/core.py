@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import attrs
 import torch
 
+from diffusion_runtime.cache_settings import CacheSettings, effective_cache
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.delivery_queue import DeliveryQueue
@@ -524,7 +525,8 @@ class EngineCore:
             request = running.get(request_id)
             if request is not None:
                 phases = costs.phases.get(request_id, {})
-                request.charge(phases, transfer_s, costs.peak_memory_bytes)
+                steps = costs.steps.get(request_id, (0, 0))
+                request.charge(phases, transfer_s, costs.peak_memory_bytes, steps)
 
     def _wake_at(self, *, executed: bool) -> float | None:
         """When the next step is due: now while work is left, else the scheduler's
@@ -923,8 +925,13 @@ class EngineCore:
                     tuple(result.released),
                     time.monotonic(),
                     steps=tuple(result.progress.values()),
+                    cached_steps=_cached_steps(result),
                 )
             )
+
+    def _cache_of(self, request: Request) -> CacheSettings | None:
+        config = self.config
+        return effective_cache(config.cache_backend, config.cache_config, request.params.cache)
 
     def _trace_delivery(self, request: Request, output: RequestOutput) -> None:
         images = output.image_batch
@@ -934,7 +941,7 @@ class EngineCore:
                 output.status,
                 finished=output.finished,
                 digest="" if images is None else images_digest(images),
-                fingerprint=_fingerprint(request),
+                fingerprint=_fingerprint(request, self._cache_of(request)),
                 time=time.monotonic(),
             )
         )
@@ -988,6 +995,8 @@ def _metrics(request: Request, finished: float) -> RequestMetrics:
         total_time_s=finished - request.arrival_time,
         stage_durations={"queue": queue_s, **{s: spent.get(s, 0.0) for s in STAGES[1:]}},
         peak_memory_mb=None if peak is None else peak / 2**20,
+        cached_steps=request.cached_steps,
+        model_evaluations=request.model_evaluations,
     )
 
 
@@ -1015,8 +1024,16 @@ def _as_dead(exc: BaseException) -> EngineDeadError:
     return EngineDeadError(f"the engine core failed: {describe_error(exc)}")
 
 
-def _fingerprint(request: Request) -> str:
-    """A fingerprint of everything a request's output may depend on."""
+def _cached_steps(result: RunnerOutput) -> tuple[tuple[str, int], ...]:
+    """The ids whose steps in ``result`` reused a cached model output, with how many."""
+    if result.costs is None:
+        return ()
+    return tuple((rid, cached) for rid, (_, cached) in result.costs.steps.items() if cached)
+
+
+def _fingerprint(request: Request, cache: CacheSettings | None) -> str:
+    """A fingerprint of everything a request's output may depend on (``cache``:
+    the step cache it ran with)."""
     p = request.params
     inputs = (
         repr(request.prompt),
@@ -1030,5 +1047,6 @@ def _fingerprint(request: Request) -> str:
         *(() if p.lora is None else (repr(p.lora),)),
         *(() if p.decodes else ("latent",)),
         *(() if p.custom_schedule is None else (p.custom_schedule,)),
+        *(() if cache is None else (cache,)),
     )
     return hashlib.blake2b(repr(inputs).encode(), digest_size=12).hexdigest()

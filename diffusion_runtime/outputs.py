@@ -34,7 +34,10 @@ class RequestMetrics:
     for each request in it. ``peak_memory_mb`` is the highest memory
     high-water mark of the waves it ran in: the device's peak allocation on
     CUDA, the worker process's peak resident set on the CPU (``None`` where
-    neither can be read). See ``docs/outputs.md``.
+    neither can be read). ``cached_steps`` counts the denoising steps that
+    reused an earlier model output (a step cache, ``docs/caching.md``) and
+    ``model_evaluations`` those that ran the model (a guided step counts once).
+    See ``docs/outputs.md``.
     """
 
     queue_time_s: float
@@ -42,6 +45,8 @@ class RequestMetrics:
     total_time_s: float
     stage_durations: Mapping[str, float] = attrs.field(factory=dict)
     peak_memory_mb: float | None = None
+    cached_steps: int = 0
+    model_evaluations: int = 0
 
 
 #: The keys of :attr:`RequestMetrics.stage_durations`, in the order a request meets them.

@@ -249,7 +249,8 @@ def merge_metrics(metrics: Sequence[RequestMetrics | None]) -> RequestMetrics | 
     it waited until its first child started (the least queue time), it ended
     when its last child ended (the greatest total time), and it executed in
     between. Its stage durations are the slowest child's (with that queue
-    time), and its peak memory the highest of any child."""
+    time), its peak memory the highest of any child, and its cached steps and
+    model evaluations the sum of its children's."""
     known = [m for m in metrics if m is not None]
     if not known:
         return None
@@ -266,6 +267,8 @@ def merge_metrics(metrics: Sequence[RequestMetrics | None]) -> RequestMetrics | 
         total_time_s=slowest.total_time_s,
         stage_durations=stages,
         peak_memory_mb=max(peaks, default=None),
+        cached_steps=sum(m.cached_steps for m in known),
+        model_evaluations=sum(m.model_evaluations for m in known),
     )
 
 

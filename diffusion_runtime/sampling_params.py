@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from diffusion_runtime.cache_settings import check_cache_dict
 from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.validation import (
@@ -83,6 +84,16 @@ def _schedule(*, integers_allowed: bool) -> Any:
     return check
 
 
+def _is_cache(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None or value is False:
+        return
+    if not isinstance(value, dict):
+        raise InvalidFieldError(
+            type(instance).__name__, attribute.name, "must be None, False or a dict", value
+        )
+    check_cache_dict(type(instance).__name__, attribute.name, value, backend_key=True)
+
+
 def _is_extra_args(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     str_keyed_dict(instance, attribute, value)
     bounded_input(type(instance).__name__, attribute.name, value)
@@ -108,7 +119,10 @@ class SamplingParams:
     ``docs/outputs.md``. ``timesteps`` or ``sigmas`` (not both) replace the
     pipeline's schedule with the given one, for pipelines that take it; the
     step count is then their length, and ``num_inference_steps`` reads back as
-    that length whatever was passed. ``extra_args`` carries pipeline-specific
+    that length whatever was passed. ``cache`` picks the step cache
+    (``docs/caching.md``): ``None`` runs with the engine's, ``False`` with none,
+    and a dict overrides the engine's settings (``backend`` among them) for
+    this request. ``extra_args`` carries pipeline-specific
     options; like a prompt, it may nest at most
     :data:`~diffusion_runtime.validation.MAX_INPUT_DEPTH` levels and hold at most
     :data:`~diffusion_runtime.validation.MAX_INPUT_BYTES`.
@@ -136,6 +150,9 @@ class SamplingParams:
     )
     sigmas: tuple[float, ...] | None = attrs.field(
         default=None, converter=_as_tuple, validator=_schedule(integers_allowed=False)
+    )
+    cache: bool | dict[str, Any] | None = attrs.field(
+        default=None, converter=_copy_dict, validator=_is_cache, hash=False
     )
 
     def __attrs_post_init__(self) -> None:
@@ -172,9 +189,14 @@ class SamplingParams:
     @property
     def needs_pipeline_support(self) -> bool:
         """Whether the request asks for what a pipeline must declare it serves
-        (latents, a trajectory, a custom schedule): admission then asks the worker
+        (latents, a trajectory, a custom schedule, a cache override): admission then asks the worker
         even when the pipeline has no ``validate_request``."""
-        return not self.decodes or bool(self.return_trajectory) or self.custom_schedule is not None
+        return (
+            not self.decodes
+            or bool(self.return_trajectory)
+            or self.custom_schedule is not None
+            or isinstance(self.cache, dict)
+        )
 
     @property
     def adapter_id(self) -> int | None:

@@ -262,6 +262,12 @@ def test_the_operations_guide_sleep_example_restores_exactly(tmp_path: Path) -> 
     assert "bit-identical after wake: True" in out
 
 
+def test_the_caching_guide_example_prints_what_it_says(tmp_path: Path) -> None:
+    guide = DOCS / "caching.md"
+    out = run_block(tmp_path, guide, "cache_backend=")
+    assert out == documented_text_block(guide, "It prints")
+
+
 def test_the_outputs_guide_rl_example_prints_what_it_says(tmp_path: Path) -> None:
     guide = DOCS / "outputs.md"
     out = run_block(tmp_path, guide, "all 8 share every step")

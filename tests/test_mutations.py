@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine
 from diffusion_runtime.testing.mutations import CATALOGUE, Mutation, hunt, passes
 from diffusion_runtime.testing.targets import (
     HARNESSES,
+    cache_harness,
     core_harness,
     deadline_harness,
     harness_for,
@@ -54,8 +55,11 @@ LORA_EXAMPLES = 100
 #: The outputs target's passing run (each example's oracle steps every request alone).
 OUTPUTS_EXAMPLES = 60
 OUTPUTS_FRONT_EXAMPLES = 100
+#: Examples for each passing run of the cache target (digits, about 0.5-1 s each).
+CACHE_EXAMPLES = 40
 
 FAST_SUBSET = {
+    "cache-decided-over-batch",
     "results-by-position",
     "stream-not-woken",
     "wave-over-capacity",
@@ -250,6 +254,10 @@ REQUIRED_REACH = {
         "rule: requests with mixed adapters": 30,
         "path: a request with an adapter matched its merged network": 50,
     },
+    # 40 examples reached these 247 times in request mode and 60 in step mode, where
+    # 22 of them had been preempted (scaled from a 60-example run).
+    "cache": {"path: a request reused cached model outputs as the oracle": 20},
+    "cache-step": {"path: a preempted request reused cached outputs": 5},
     "lora-step": {
         "path: a wave of two adapters": 50,
         "path: a wave of an adapter and the base model": 50,
@@ -366,6 +374,16 @@ def test_the_real_runtime_passes_with_adapters_and_reaches_every_path(mode: str)
     if mode == "step":
         required.update(REQUIRED_REACH["lora-step"])
     passes_and_reaches(lora_harness(mode), LORA_EXAMPLES, required)
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_real_runtime_passes_with_a_step_cache_and_reaches_every_path(mode: str) -> None:
+    """The cache target: requests that reuse cached model outputs (batched, and in
+    step mode preempted and offloaded) equal the oracle, which runs each alone."""
+    required = dict(REQUIRED_REACH["cache"])
+    if mode == "step":
+        required.update(REQUIRED_REACH["cache-step"])
+    passes_and_reaches(cache_harness(mode), CACHE_EXAMPLES, required)
 
 
 def test_the_real_runtime_passes_with_preemption_and_reaches_every_path() -> None:

@@ -101,7 +101,10 @@ class RunnerEvent:
     final images; ``progressed``: ids that advanced a step; ``failed``: ids with
     an error. ``created``/``released``: ids whose runner state was created or
     dropped. ``steps`` is aligned with ``progressed``: each id's
-    ``(step_index, num_steps)`` after the step (INV-009).
+    ``(step_index, num_steps)`` after the step (INV-009). ``cached_steps``:
+    the ids whose steps in this wave reused a cached model output instead of
+    running the model (a step cache), each with how many (one per step in
+    step mode; a request-mode forward may skip several).
     """
 
     wave_id: int
@@ -113,6 +116,7 @@ class RunnerEvent:
     released: tuple[str, ...]
     time: float
     steps: tuple[tuple[int, int], ...] = ()
+    cached_steps: tuple[tuple[str, int], ...] = ()
 
     kind = "runner"
 
@@ -128,6 +132,7 @@ class RunnerEvent:
             "released": list(self.released),
             "time": self.time,
             "steps": [list(step) for step in self.steps],
+            "cached_steps": [list(item) for item in self.cached_steps],
         }
 
 
@@ -291,6 +296,7 @@ def event_from_json(record: dict[str, Any]) -> TraceEvent:
             released=tuple(fields["released"]),
             time=fields["time"],
             steps=tuple((step, total) for step, total in fields.get("steps", ())),
+            cached_steps=tuple((rid, count) for rid, count in fields.get("cached_steps", ())),
         )
     if kind == "delivery":
         fields["status"] = RequestStatus(fields["status"])

@@ -16,7 +16,9 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
+from diffusion_runtime.cache_settings import CacheSettings
 from diffusion_runtime.pipelines.phases import timed_phase
+from diffusion_runtime.pipelines.step_tally import tally_step
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.trajectory import SampledOutput, TrajectoryRecorder, TrajectoryTensors
 
@@ -29,9 +31,11 @@ class PipelineRequest:
     ``generator`` is created on first use, on the runner's device, seeded with
     ``seed``: every random draw a pipeline makes for this request must come
     from it, so the output depends only on this request, never on batch mates.
+    ``cache`` is the step cache the request runs with (the engine's settings
+    overridden by ``params.cache``; ``None``: none), resolved by the runner.
     """
 
-    __slots__ = ("_generator", "device", "params", "prompt", "request_id", "seed")
+    __slots__ = ("_generator", "cache", "device", "params", "prompt", "request_id", "seed")
 
     def __init__(
         self,
@@ -40,8 +44,10 @@ class PipelineRequest:
         params: SamplingParams,
         seed: int,
         device: torch.device,
+        cache: CacheSettings | None = None,
     ) -> None:
         self.request_id = request_id
+        self.cache = cache
         self.prompt = prompt
         self.params = params
         self.seed = seed
@@ -107,6 +113,10 @@ class StepRequestState:
     noise sets ``step_log_prob`` to the log-density of what it drew (one value
     per image) for trajectories with log-probabilities; ``recorder`` is the
     runtime's, set when the request asked for a trajectory.
+    ``step_cache`` is the request's own step cache, made by the pipeline from
+    ``request.cache`` (e.g. a :class:`~diffusion_runtime.pipelines.step_cache.TeaCacheState`);
+    a step that reused an earlier model output instead of running the model
+    sets ``step_cached`` (the runner counts it; :meth:`record_step` resets it).
     """
 
     request: PipelineRequest
@@ -117,6 +127,8 @@ class StepRequestState:
     conditioning: Any = None
     step_log_prob: torch.Tensor | None = None
     recorder: TrajectoryRecorder | None = None
+    step_cache: Any = None
+    step_cached: bool = False
 
     @property
     def request_id(self) -> str:
@@ -142,6 +154,7 @@ class StepRequestState:
         if self.recorder is not None:
             self.recorder.record(self.latents, self.step_index - 1, self.step_log_prob)
         self.step_log_prob = None
+        self.step_cached = False
 
     def trajectory_part(self) -> TrajectoryTensors | None:
         """The trajectory recorded since the previous part, for a request that
@@ -240,6 +253,7 @@ def forward_by_steps(
             for state, model_output in zip(active, pipeline.denoise_step(active), strict=True):
                 pipeline.step_scheduler(state, model_output)
         for state in active:
+            tally_step(state.request_id, cached=state.step_cached)
             state.record_step()
         done = [state for state in active if state.is_done]
         with timed_phase("decode"):

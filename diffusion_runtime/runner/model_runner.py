@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import attrs
 import torch
 
+from diffusion_runtime.cache_settings import CacheSettings, effective_cache
 from diffusion_runtime.contracts import (
     READY,
     NewRequestData,
@@ -32,6 +33,7 @@ from diffusion_runtime.pipelines.protocols import (
     StepRequestState,
     decode_finished,
 )
+from diffusion_runtime.pipelines.step_tally import tallying_steps
 from diffusion_runtime.runner.faults import is_sticky_device_fault
 from diffusion_runtime.runner.host_copy import HostCopier
 from diffusion_runtime.runner.input_batch import InputBatch
@@ -70,7 +72,13 @@ class ModelRunner:
 
     Each output says what its wave cost (:class:`WaveCosts`): the seconds of
     each request's encode, denoise and decode phases, and the worker's memory
-    high-water mark (:class:`PeakMemoryMeter`).
+    high-water mark (:class:`PeakMemoryMeter`), and each request's steps:
+    model evaluations and cached steps.
+
+    ``cache_backend`` and ``cache_config`` are the engine's step cache; each
+    request runs with them overridden by its ``SamplingParams.cache``
+    (``docs/caching.md``). The pipeline names the backends it serves in its
+    optional ``cache_backends`` member.
     """
 
     def __init__(
@@ -82,6 +90,8 @@ class ModelRunner:
         preview_interval: int = 0,
         overlap_outputs: bool = True,
         offload_budget_bytes: int = 0,
+        cache_backend: str | None = None,
+        cache_config: Mapping[str, Any] | None = None,
     ) -> None:
         needed = ("forward", *STEP_METHODS) if step_mode else ("forward",)
         missing = [m for m in needed if not callable(getattr(pipeline, m, None))]
@@ -95,6 +105,10 @@ class ModelRunner:
             )
         self.pipeline = pipeline
         self.device = device
+        self.cache_backend = cache_backend
+        self.cache_config = dict(cache_config or {})
+        if cache_backend is not None:
+            self._check_cache_backend("EngineConfig", "cache_backend", cache_backend, cache_backend)
         self.step_mode = step_mode
         self.preview_interval = preview_interval
         self._preview = getattr(pipeline, "preview", None) if preview_interval else None
@@ -161,6 +175,29 @@ class ModelRunner:
             rule = f"needs a pipeline that takes custom {field} ({name} does not)"
             raise InvalidFieldError("SamplingParams", field, rule, values)
 
+    def check_step_cache(self, params: SamplingParams) -> None:
+        """Refuse, on ``SamplingParams.cache``, an override that names no backend
+        (and the engine has none) or one the pipeline does not serve."""
+        if not isinstance(params.cache, dict):
+            return
+        settings = self.cache_settings(params)
+        if settings is None:
+            rule = "names no backend, and EngineConfig.cache_backend is None"
+            raise InvalidFieldError("SamplingParams", "cache", rule, params.cache)
+        self._check_cache_backend("SamplingParams", "cache", settings.backend, params.cache)
+
+    def cache_settings(self, params: SamplingParams) -> CacheSettings | None:
+        """The step cache a request with ``params`` runs with (``None``: none)."""
+        return effective_cache(self.cache_backend, self.cache_config, params.cache)
+
+    def _check_cache_backend(self, owner: str, field: str, backend: str, value: object) -> None:
+        served: frozenset[str] = getattr(self.pipeline, "cache_backends", frozenset())
+        if backend not in served:
+            name = type(self.pipeline).__name__
+            names = ", ".join(sorted(served)) or "none"
+            rule = f"needs a pipeline that serves the {backend!r} cache ({name} serves {names})"
+            raise InvalidFieldError(owner, field, rule, value)
+
     def release_requests(self, request_ids: Sequence[str]) -> None:
         """Drop the step state of finished requests (no-op for ids not held)."""
         self._release(request_ids)
@@ -201,7 +238,7 @@ class ModelRunner:
 
     def _forward(self, batch: list[PipelineRequest], result: RunnerOutput) -> None:
         try:
-            with timing_forward() as clock:
+            with timing_forward() as clock, tallying_steps() as steps:
                 produced = self.pipeline.forward(batch)
         except Exception as exc:
             _reraise_if_sticky(exc)
@@ -219,6 +256,10 @@ class ModelRunner:
         costs = _costs(result)
         for phase, seconds in clock.seconds.items():
             costs.charge(expected, phase, seconds)
+        for request in batch:
+            # A forward that tallies nothing ran the model at every step.
+            ran, reused = steps.get(request.request_id, (request.params.num_inference_steps, 0))
+            costs.count_steps(request.request_id, ran, reused)
         for request in batch:
             self._accept_images(request, produced.get(request.request_id), result)
 
@@ -327,6 +368,9 @@ class ModelRunner:
                 f"{state.step_index} (of {state.num_steps})"
             )
             return
+        taken = state.step_index - before
+        cached = taken if state.step_cached else 0
+        _costs(result).count_steps(request_id, taken - cached, cached)
         state.record_step()
         result.progress[request_id] = (state.step_index, state.num_steps)
         if state.is_done:
@@ -375,7 +419,10 @@ class ModelRunner:
     # -- shared ------------------------------------------------------------------------
 
     def _pipeline_request(self, data: NewRequestData) -> PipelineRequest:
-        return PipelineRequest(data.request_id, data.prompt, data.params, data.seed, self.device)
+        cache = self.cache_settings(data.params)
+        return PipelineRequest(
+            data.request_id, data.prompt, data.params, data.seed, self.device, cache
+        )
 
     def _accept_images(
         self, request: PipelineRequest, produced: object, result: RunnerOutput

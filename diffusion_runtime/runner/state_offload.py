@@ -7,9 +7,10 @@ device before the step that runs the state again. The values are copied
 exactly, so a resumed request's output is unchanged.
 
 What moves: every device tensor reachable from the state's ``latents``,
-``timesteps``, ``scheduler``, ``conditioning`` and trajectory ``recorder`` through lists, tuples,
-dicts, attrs instances and plain objects' attributes (a tensor reached twice
-is copied once, so aliases stay aliases). Modules (shared weights) and the
+``timesteps``, ``scheduler``, ``conditioning``, trajectory ``recorder`` and
+``step_cache`` through lists, tuples, dicts, attrs instances and plain
+objects' attributes (a tensor reached twice is copied once, so aliases stay
+aliases). Modules (shared weights) and the
 request's generator stay where they are: a CUDA generator holds only a seed
 and an offset, no device memory, and cannot live on the host.
 
@@ -40,7 +41,7 @@ _SCALAR_TYPES = (str, bytes, int, float, bool, type(None))
 _OPAQUE = (*_SCALAR_TYPES, torch.Generator)
 
 #: The fields of a state that hold its tensors (``request`` holds the generator).
-_TENSOR_FIELDS = ("latents", "timesteps", "scheduler", "conditioning", "recorder")
+_TENSOR_FIELDS = ("latents", "timesteps", "scheduler", "conditioning", "recorder", "step_cache")
 
 
 @attrs.define

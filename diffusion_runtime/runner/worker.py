@@ -141,6 +141,8 @@ class Worker:
                 preview_interval=config.preview_interval if config.streaming_output else 0,
                 overlap_outputs=config.overlap_outputs,
                 offload_budget_bytes=config.preempted_offload_bytes,
+                cache_backend=config.cache_backend,
+                cache_config=config.cache_config,
             )
             self.adapters = self._adapter_store()
             self.sleeper = WorkerSleep(self.pipeline, self.runner, self.device)
@@ -216,6 +218,7 @@ class Worker:
     def validate_request(self, prompt: Any, params: SamplingParams) -> None:
         self.runner.check_output_options(params)
         self.runner.check_custom_schedule(params)
+        self.runner.check_step_cache(params)
         if params.lora is not None:
             self._check_adapter(params.lora)
         fn = getattr(self.pipeline, "validate_request", None)

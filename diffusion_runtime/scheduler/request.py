@@ -25,8 +25,10 @@ class Request(RequestLifecycle):
     __slots__ = (
         "arrival_time",
         "batch_key",
+        "cached_steps",
         "deadline",
         "finished_time",
+        "model_evaluations",
         "num_steps",
         "order",
         "params",
@@ -62,18 +64,27 @@ class Request(RequestLifecycle):
         self.num_steps: int | None = None
         self.stage_seconds: dict[str, float] = {}
         self.peak_memory_bytes: int | None = None
+        self.model_evaluations = 0
+        self.cached_steps = 0
 
     def charge(
-        self, phases: Mapping[str, float], transfer_s: float, peak_memory_bytes: int | None
+        self,
+        phases: Mapping[str, float],
+        transfer_s: float,
+        peak_memory_bytes: int | None,
+        steps: tuple[int, int] = (0, 0),
     ) -> None:
         """Add one wave's cost: its phases' seconds on the worker, the seconds its
-        inputs and results took between core and worker, and its memory peak."""
+        inputs and results took between core and worker, its memory peak, and
+        its steps (model evaluations, cached steps)."""
         spent = self.stage_seconds
         for phase, seconds in phases.items():
             spent[phase] = spent.get(phase, 0.0) + seconds
         spent["transfer"] = spent.get("transfer", 0.0) + transfer_s
         if peak_memory_bytes is not None:
             self.peak_memory_bytes = max(self.peak_memory_bytes or 0, peak_memory_bytes)
+        self.model_evaluations += steps[0]
+        self.cached_steps += steps[1]
 
     @property
     def remaining_steps(self) -> int:

@@ -87,6 +87,12 @@ class EngineMetrics:
             "completion by the server)",
             registry=r,
         )
+        self.cached_steps = Counter(
+            "diffusion_cached_steps",
+            "Denoising steps that reused a cached model output instead of running the "
+            "model (a step cache, docs/caching.md)",
+            registry=r,
+        )
         self.batch_size = Histogram(
             "diffusion_batch_size", "Requests per wave", buckets=BATCH_BUCKETS, registry=r
         )
@@ -160,6 +166,9 @@ class EngineMetrics:
         elif isinstance(event, RunnerEvent):
             if event.progressed:
                 self.steps.inc(len(event.progressed))
+            cached = sum(count for _, count in event.cached_steps)
+            if cached:
+                self.cached_steps.inc(cached)
         elif isinstance(event, EngineEvent) and event.state == "dead":
             self.engine_deaths.inc()
         elif isinstance(event, AdapterEvent):

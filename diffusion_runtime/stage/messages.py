@@ -68,6 +68,7 @@ class SamplingParamsMsg(_Part, frozen=True):
     stream_trajectory: bool = False
     timesteps: tuple[int | float, ...] | None = None
     sigmas: tuple[float, ...] | None = None
+    cache: bool | dict[str, Any] | None = None
 
 
 class MetricsMsg(_Part, frozen=True):
@@ -76,6 +77,8 @@ class MetricsMsg(_Part, frozen=True):
     total_time_s: float
     stage_durations: dict[str, float] = {}
     peak_memory_mb: float | None = None
+    cached_steps: int = 0
+    model_evaluations: int = 0
 
 
 class TensorMeta(_Part, frozen=True):

@@ -535,7 +535,8 @@ class CoreLifecycleMachine(SleepRules):
         """A final output reports the request's seed, and metrics that add up: the
         queue and execution times are parts of the total, there is one duration
         per stage, a request that never ran spent no time executing or working,
-        and one that completed spent some denoising."""
+        and one that completed spent some denoising; its model evaluations and
+        cached steps add up to the steps it ran (all of them once completed)."""
         assert final.seed == record.seed, (
             f"{final.request_id!r} reports seed {final.seed}; it ran with {record.seed}"
         )
@@ -570,6 +571,12 @@ class CoreLifecycleMachine(SleepRules):
             assert stages["denoise"] > 0.0, (
                 f"{final.request_id!r} completed after {len(record.waves)} wave(s), "
                 f"yet reports no denoising time"
+            )
+            steps = metrics.model_evaluations + metrics.cached_steps
+            assert steps == record.params.num_inference_steps, (
+                f"{final.request_id!r} completed its {record.params.num_inference_steps} "
+                f"steps, yet reports {metrics.model_evaluations} model evaluations and "
+                f"{metrics.cached_steps} cached steps"
             )
 
     # -- helpers -----------------------------------------------------------------------
@@ -691,6 +698,10 @@ class CoreLifecycleMachine(SleepRules):
                 else:
                     self.check_against_the_pipeline(*args)
                 self._check_streamed(record, output)
+                if output.metrics is not None and output.metrics.cached_steps:
+                    self.reach.note("path: a request reused cached model outputs as the oracle")
+                    if record.preempted:
+                        self.reach.note("path: a preempted request reused cached outputs")
                 if record.preempted:
                     self.reach.note("path: a preempted request completed as the oracle")
                     if output.trajectory is not None:

@@ -27,6 +27,7 @@ from diffusion_runtime.runner.model_runner import ModelRunner
 from diffusion_runtime.scheduler.base import BaseScheduler, Ended
 from diffusion_runtime.scheduler.request import Request
 from diffusion_runtime.scheduler.request_scheduler import RequestScheduler
+from diffusion_runtime.testing.cache_mutations import CACHE_MUTATIONS
 from diffusion_runtime.testing.deadline_mutations import DEADLINE_MUTATIONS
 from diffusion_runtime.testing.delivery_mutations import DELIVERY_MUTATIONS
 from diffusion_runtime.testing.gap_mutations import GAP_MUTATIONS
@@ -286,6 +287,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     *OUTPUT_MUTATIONS,
     *SCHEDULE_MUTATIONS,
     *GROUP_MUTATIONS,
+    *CACHE_MUTATIONS,
 )
 
 

@@ -5,11 +5,12 @@ sides of the comparison."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 import torch
 
+from diffusion_runtime.cache_settings import effective_cache
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.pipelines.protocols import PipelineRequest, StepPipeline, forward_by_steps
 from diffusion_runtime.pipelines.registry import build_pipeline
@@ -38,20 +39,39 @@ class DirectOracle:
 
     ``seed_free`` is the pipeline's own declaration (an optional
     ``seed_free = True`` attribute) that its outputs do not depend on the seed.
+    ``cache_backend`` and ``cache_config`` are the engine's step cache: each
+    request runs with them overridden by its own ``SamplingParams.cache``, as
+    in the engine.
     """
 
-    def __init__(self, pipeline: Any, device: torch.device, *, step_mode: bool = False) -> None:
+    def __init__(
+        self,
+        pipeline: Any,
+        device: torch.device,
+        *,
+        step_mode: bool = False,
+        cache_backend: str | None = None,
+        cache_config: Mapping[str, Any] | None = None,
+    ) -> None:
         self.pipeline = pipeline
         self.device = device
         self.step_mode = step_mode
         self.seed_free = bool(getattr(pipeline, "seed_free", False))
+        self.cache_backend = cache_backend
+        self.cache_config = dict(cache_config or {})
 
     @classmethod
     def for_config(cls, config: EngineConfig) -> DirectOracle:
         """A fresh pipeline built the way a worker of ``config`` builds its own."""
         device = worker_device(config, 0)
         pipeline = build_pipeline(config.pipeline, device, config.pipeline_kwargs)
-        return cls(pipeline, device, step_mode=config.resolved_mode == "step")
+        return cls(
+            pipeline,
+            device,
+            step_mode=config.resolved_mode == "step",
+            cache_backend=config.cache_backend,
+            cache_config=config.cache_config,
+        )
 
     def images(self, prompt: Any, params: SamplingParams, seed: int) -> torch.Tensor | None:
         """The pipeline's images for one request alone, or ``None`` when it fails it."""
@@ -163,7 +183,8 @@ class DirectOracle:
         run: Callable[[PipelineRequest], Result],
     ) -> Result:
         """``run`` one request through the pipeline, then have it forget the request."""
-        request = PipelineRequest(ORACLE_ID, prompt, params, seed, self.device)
+        cache = effective_cache(self.cache_backend, self.cache_config, params.cache)
+        request = PipelineRequest(ORACLE_ID, prompt, params, seed, self.device, cache)
         try:
             with torch.inference_mode():
                 return run(request)

@@ -27,6 +27,17 @@ def custom_timesteps(steps: tuple[int, int]) -> st.SearchStrategy[tuple[int, ...
     return st.integers(0, 2).flatmap(lambda pick: custom if pick == 0 else st.none())
 
 
+#: ``SamplingParams.cache`` values drawn with ``caches``: the engine's, none, never
+#: skipping, and thresholds that skip some or most steps of a few-step request.
+CACHE_SETTINGS: tuple[bool | dict[str, Any] | None, ...] = (
+    None,
+    False,
+    {"rel_l1_thresh": 0.0},
+    {"rel_l1_thresh": 0.6, "warmup_steps": 0},
+    {"rel_l1_thresh": 2.0, "max_consecutive_skips": 2},
+)
+
+
 def sampling_params(
     *,
     steps: tuple[int, int] = (1, 3),
@@ -39,6 +50,7 @@ def sampling_params(
     output_options: bool = False,
     schedules: bool = False,
     stream_trajectories: bool = False,
+    caches: bool = False,
 ) -> st.SearchStrategy[SamplingParams]:
     """Valid, cheap sampling parameters with an explicit seed; ``priorities``
     bounds the drawn ``priority`` (a preemptive policy preempts on it) and
@@ -47,7 +59,8 @@ def sampling_params(
     and ``extra_args={"noise": ...}`` (the testing pipelines' stochastic steps).
     With ``schedules``, some requests bring :func:`custom_timesteps`. With
     ``stream_trajectories`` (an engine with ``streaming_output``), a request
-    that asks for a trajectory streams it half the time.
+    that asks for a trajectory streams it half the time. With ``caches``,
+    ``cache`` is drawn from :data:`CACHE_SETTINGS` (an engine with a step cache).
 
     Small seed and step ranges make equal requests likely, which lets the
     identity checks compare outputs of equal inputs in different batches.
@@ -66,6 +79,7 @@ def sampling_params(
             deadline_s=deadlines if deadlines is not None else st.none(),
             **(OUTPUT_OPTIONS if output_options else {}),
             **({"timesteps": custom_timesteps(steps)} if schedules else {}),
+            **({"cache": st.sampled_from(CACHE_SETTINGS)} if caches else {}),
         )
 
     drawn = st.sampled_from(sizes or [None]).flatmap(with_size)

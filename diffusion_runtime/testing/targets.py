@@ -217,6 +217,46 @@ def lora_config(mode: str) -> EngineConfig:
     )
 
 
+def cache_harness(mode: str) -> type[CoreLifecycleMachine]:
+    """The core harness over the digits pipeline with a step cache (TeaCache), the
+    cache settings drawn per request: in step mode under the preemptive priority
+    policy with host offload, so cached outputs resume mid-way; in request mode
+    in batched waves. At least three steps, so that a step between the first and
+    the last can reuse an output."""
+    step = mode == "step"
+    return core_lifecycle_machine(
+        lambda: cache_config(mode),
+        prompts=DIGIT_PROMPTS,
+        params=sampling_params(
+            steps=(3, 8),
+            outputs=(1, 2),
+            guidance=[1.0, 2.0],
+            priorities=(0, 3) if step else (0, 0),
+            caches=True,
+        ),
+        rpc_timeouts=RPC_TIMEOUTS,
+    )
+
+
+def cache_config(mode: str) -> EngineConfig:
+    """The cache target's engine config: digits with TeaCache at 0.3, one thread."""
+    step = mode == "step"
+    return EngineConfig(
+        pipeline="digits",
+        device="cpu",
+        max_num_seqs=3,
+        execution_mode=mode,
+        streaming_output=step,
+        preview_interval=1,
+        scheduling_policy="priority" if step else "fifo",
+        preempted_offload_bytes=16 * 2**10 if step else 0,
+        cache_backend="tea_cache",
+        cache_config={"rel_l1_thresh": 0.3},
+        warmup=False,
+        intra_op_threads=1,
+    )
+
+
 def front_harness(mode: str) -> type[EngineLifecycleMachine]:
     """The front harness over a :class:`~diffusion_runtime.engine.DiffusionEngine`."""
     return lifecycle_machine(
@@ -300,7 +340,8 @@ def lockstep_harness(mode: str) -> type[EngineLifecycleMachine]:
 #: trajectories, preempting in step mode), ``outputs-mp`` (the same over the mp
 #: executor), ``outputs-streamed`` (the same in step mode, trajectories streamed
 #: with the progress outputs), ``outputs-front`` and ``outputs-stage`` (the front
-#: and stage targets with output options drawn).
+#: and stage targets with output options drawn), ``cache`` (an EngineCore over the
+#: digits pipeline with a step cache, cache settings drawn per request).
 #: The preemptive and deadline targets
 #: run in step mode whatever the mode.
 HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
@@ -322,6 +363,7 @@ HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "outputs-streamed": lambda mode: outputs_harness("step", streams=True),
     "outputs-front": front_outputs_harness,
     "outputs-stage": lambda mode: front_outputs_harness(mode, "stage"),
+    "cache": cache_harness,
 }
 
 

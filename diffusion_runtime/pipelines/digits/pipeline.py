@@ -17,6 +17,10 @@ from diffusion_runtime.lora.layers import (
     attach_adapter_slots,
     install_adapter_slots,
 )
+from diffusion_runtime.pipelines.digits.cached_steps import (
+    remember_predictions,
+    reused_predictions,
+)
 from diffusion_runtime.pipelines.digits.model import (
     IMAGE_SIZE,
     PIXELS,
@@ -32,6 +36,7 @@ from diffusion_runtime.pipelines.protocols import (
     StepRequestState,
     forward_by_steps,
 )
+from diffusion_runtime.pipelines.step_cache import tea_cache_for
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.trajectory import SampledOutput
 
@@ -81,6 +86,9 @@ class DigitsPipeline:
     ``num_outputs_per_prompt`` and square ``height``/``width`` (nearest-neighbour
     upscaling). All randomness comes from each request's generator, and every
     request's images are bit-identical whatever it is batched with.
+    It serves the ``"tea_cache"`` step cache, decided per request
+    (``docs/caching.md``); the first-block cache needs a network with blocks
+    worth skipping alone, and this one is three small blocks.
     """
 
     supports_request_batch = True
@@ -88,6 +96,7 @@ class DigitsPipeline:
     #: ``SamplingParams.timesteps``: integer training timesteps in ``[0, T - 1]``
     #: (no sigmas: the model knows only its discrete training timesteps).
     custom_schedules = frozenset({"timesteps"})
+    cache_backends = frozenset({"tea_cache"})
 
     def __init__(
         self, device: torch.device | str = "cpu", weights_dir: str | Path | None = None
@@ -198,10 +207,21 @@ class DigitsPipeline:
             timesteps=timesteps,
             scheduler=DDIMScheduler(self._alpha_bars, timesteps, eta_of(params)),
             conditioning=labels,
+            step_cache=tea_cache_for(request.cache),
         )
 
     def denoise_step(self, states: Sequence[StepRequestState]) -> list[torch.Tensor]:
-        """One network pass over all states (any step index); guided noise per state."""
+        """One network pass over the states (any step index) whose cache does not
+        reuse its previous output; guided noise per state."""
+        reused = reused_predictions(states)
+        computing = [state for state in states if id(state) not in reused]
+        computed = iter(self._noise(computing) if computing else [])
+        outputs = [reused[id(state)] if id(state) in reused else next(computed) for state in states]
+        remember_predictions(states, outputs)
+        return outputs
+
+    def _noise(self, states: Sequence[StepRequestState]) -> list[torch.Tensor]:
+        """One network pass over ``states``; guided noise per state."""
         xs: list[torch.Tensor] = []
         labels: list[torch.Tensor] = []
         timesteps: list[int] = []
@@ -243,12 +263,48 @@ class DigitsPipeline:
         form a group whose latents stay stacked while the running set is
         unchanged (in the ``InputBatch`` cache); the update is element-wise, so
         each row gets exactly what :meth:`step_scheduler` would give it.
+        A state whose step cache reuses its previous output this step stays
+        out of the network pass (``docs/caching.md``).
         """
         cache: dict[str, Any] = getattr(states, "cache", {})
         groups: list[_StepGroup] | None = cache.get("groups")
         if groups is None:
             groups = cache["groups"] = _plan_groups(states, self.config.null_class)
             cache["labels"] = torch.cat([group.labels for group in groups])
+        reused = reused_predictions(states)
+        if reused:  # the others run as one smaller batch
+            parts = self._partly_reused_noise(groups, reused)
+        else:
+            parts = self._group_noise(groups, cache["labels"])
+        for group, part in zip(groups, parts, strict=True):
+            if any(state.step_cache is not None for state in group.states):
+                sizes = [len(state.latents) for state in group.states]
+                remember_predictions(group.states, torch.split(part, sizes))
+            lead = group.lead
+            noise = None
+            if lead.scheduler.draws_noise(lead.step_index):  # each request's own draws
+                noise = _cat([_step_noise(state) for state in group.states])
+            group.advance(lead.scheduler.step(group.latents, part, lead.step_index, noise))
+
+    def _partly_reused_noise(
+        self, groups: list[_StepGroup], reused: dict[int, torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Each group's guided noise, from the reused outputs of the states that
+        skip the model and one network pass over the others."""
+        computing = [state for g in groups for state in g.states if id(state) not in reused]
+        computed = dict(reused)
+        if computing:
+            subgroups = _plan_groups(computing, self.config.null_class)
+            labels = torch.cat([group.labels for group in subgroups])
+            for group, part in zip(subgroups, self._group_noise(subgroups, labels), strict=True):
+                sizes = [len(state.latents) for state in group.states]
+                computed.update(
+                    (id(s), p) for s, p in zip(group.states, torch.split(part, sizes), strict=True)
+                )
+        return [_cat([computed[id(state)] for state in group.states]) for group in groups]
+
+    def _group_noise(self, groups: list[_StepGroup], labels: torch.Tensor) -> list[torch.Tensor]:
+        """One network pass over every group's rows; each group's (guided) noise."""
         inputs = [torch.cat([g.latents, g.latents]) if g.guided else g.latents for g in groups]
         times = [
             torch.full((len(x),), g.lead.timesteps[g.lead.step_index], device=self.device)
@@ -257,20 +313,18 @@ class DigitsPipeline:
         eps = self.model.predict_noise_row_stable(
             _cat(inputs),
             _cat(times),
-            cache["labels"],
+            labels,
             self._rows_per_call,
             self._group_adapters(groups),
         )
         parts = [eps] if len(groups) == 1 else torch.split(eps, [len(x) for x in inputs])
+        noise = []
         for group, part in zip(groups, parts, strict=True):
             if group.guided:
                 cond, uncond = part.chunk(2)
                 part = torch.lerp(uncond, cond, group.lead.request.params.guidance_scale)
-            lead = group.lead
-            noise = None
-            if lead.scheduler.draws_noise(lead.step_index):  # each request's own draws
-                noise = _cat([_step_noise(state) for state in group.states])
-            group.advance(lead.scheduler.step(group.latents, part, lead.step_index, noise))
+            noise.append(part)
+        return noise
 
     def _group_adapters(self, groups: list[_StepGroup]) -> AdapterPlan | None:
         """Row adapters for :meth:`step_batch`: a guided group stacks all its
