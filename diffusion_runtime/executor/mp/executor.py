@@ -67,7 +67,7 @@ class MultiprocExecutor(DiffusionExecutor):
         self._segment_prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
         self._dist_dir: str | None = None
         init_method = None
-        if config.init_distributed:
+        if config.joins_process_group:
             self._dist_dir = tempfile.mkdtemp(prefix="diffusion-rt-dist-")
             init_method = f"file://{self._dist_dir}/rendezvous"
         specs = [

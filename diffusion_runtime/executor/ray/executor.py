@@ -12,7 +12,7 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
-from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.config import PARALLEL_DEGREES, EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.errors import EngineDeadError, InvalidFieldError, RPCError
 from diffusion_runtime.executor.base import DiffusionExecutor, check_request_input
@@ -60,6 +60,13 @@ class RayExecutor(DiffusionExecutor):
             raise InvalidFieldError(
                 "EngineConfig", "init_distributed", "is not supported by the 'ray' executor", True
             )
+        for degree in PARALLEL_DEGREES:
+            if getattr(config, degree) > 1:
+                rule = (
+                    "must be 1 with the 'ray' executor (its workers join no process group); "
+                    "use executor_backend='mp' for ranks that share one model"
+                )
+                raise InvalidFieldError("EngineConfig", degree, rule, getattr(config, degree))
         worker_config = _portable_config(config)
         RayConnection.acquire(config.ray_address)
         try:
