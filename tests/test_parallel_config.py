@@ -10,6 +10,9 @@ import pytest
 from test_cli import assert_refused, run_cli
 
 from diffusion_runtime import EngineConfig, InvalidFieldError
+from diffusion_runtime.pipelines.digits import DigitsPipeline
+from diffusion_runtime.runner.parallel import check_parallel_degrees
+from diffusion_runtime.testing.pipelines import SeededNoisePipeline
 
 
 def test_num_workers_defaults_to_the_world_size() -> None:
@@ -48,6 +51,19 @@ def test_bad_degrees_are_refused_by_field(overrides: dict[str, Any], field: str,
     assert rule in str(refused.value)
 
 
+def test_a_pipeline_refuses_the_degrees_it_does_not_declare() -> None:
+    digits = DigitsPipeline("cpu")
+    check_parallel_degrees(digits, EngineConfig(device="cpu", cfg_parallel_size=2))
+    for field in ("ulysses_degree", "ring_degree"):
+        with pytest.raises(InvalidFieldError, match="no built-in pipeline does yet") as refused:
+            check_parallel_degrees(digits, EngineConfig(device="cpu", **{field: 2}))
+        assert refused.value.field == field
+    noise = SeededNoisePipeline("cpu")
+    with pytest.raises(InvalidFieldError, match="declares no guidance branches") as no_cfg:
+        check_parallel_degrees(noise, EngineConfig(device="cpu", cfg_parallel_size=2))
+    assert no_cfg.value.field == "cfg_parallel_size"
+
+
 def test_the_ray_executor_refuses_degrees_above_one_by_field() -> None:
     ray_executor = pytest.importorskip("diffusion_runtime.executor.ray")
     config = EngineConfig(device="cpu", executor_backend="ray", cfg_parallel_size=2)
@@ -70,3 +86,6 @@ def test_the_cli_refuses_bad_degrees_in_one_line(tmp_path: Path) -> None:
         "generate", "--cfg-parallel-size", "2", "--workers", "3", "--device", "cpu", cwd=tmp_path
     )
     assert_refused(run, "EngineConfig.num_workers must equal")
+    run = run_cli("generate", "--ulysses-degree", "2", "--steps", "2", "--device", "cpu",
+                  cwd=tmp_path)  # fmt: skip
+    assert_refused(run, "EngineConfig.ulysses_degree must be 1 for DigitsPipeline")
