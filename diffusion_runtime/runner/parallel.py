@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from diffusion_runtime.config import EngineConfig
-from diffusion_runtime.errors import InvalidFieldError
+from diffusion_runtime.errors import CollectiveFault, InvalidFieldError
 from diffusion_runtime.pipelines.parallel import ParallelContext
 
 _RULES = {
@@ -49,6 +49,11 @@ def enable_parallel(pipeline: Any, config: EngineConfig, rank: int) -> None:
 
 
 def _all_gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``tensor``; a failed gather fails the executor, not the requests
+    of the step (a broken group cannot serve the next one either)."""
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor.contiguous())
+    try:
+        dist.all_gather(parts, tensor.contiguous())
+    except RuntimeError as exc:
+        raise CollectiveFault(f"a gather between ranks failed: {exc}") from exc
     return parts
