@@ -11,7 +11,9 @@ rendezvous directory.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,11 @@ from conftest import wait_for
 from executor_helpers import run_in_thread
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, EngineDeadError, SamplingParams
+from diffusion_runtime.executor.mp import executor as mp_executor
+from diffusion_runtime.executor.mp.executor import RENDEZVOUS_PREFIX
 from diffusion_runtime.executor.mp.segments import SEGMENT_PREFIX, segment_names
-from diffusion_runtime.testing.leaks import Leftovers
+from diffusion_runtime.testing.leaks import Leftovers, rendezvous_dirs
+from diffusion_runtime.testing.patching import replace_attribute
 
 LIVENESS_S = 2.0
 GRACE_S = 1.0
@@ -105,3 +110,28 @@ def test_a_rank_killed_or_hung_mid_gather_fails_every_caller_and_close_leaves_no
         assert time.monotonic() - closing < GRACE_S + 5
     assert baseline.since() == []
     assert segment_names(f"{SEGMENT_PREFIX}{os.getpid()}-") == []
+
+
+def test_the_leak_check_names_a_rendezvous_directory_left_at_close() -> None:
+    """A mutation as a plain test (the core harness checks no leftovers): an executor
+    that forgets its rendezvous directory at close is caught by :class:`Leftovers`."""
+
+    def keeps_rendezvous(original: Any) -> Any:
+        def remove_leftovers(segment_prefix: str, dist_dir: str | None) -> None:
+            original(segment_prefix, None)  # "the group's files go with the group"
+
+        return remove_leftovers
+
+    baseline = Leftovers.baseline()
+    config = EngineConfig(
+        pipeline="digits", device="cpu", cfg_parallel_size=2, warmup=False,
+        worker_start_timeout_s=120.0,
+    )  # fmt: skip
+    with replace_attribute(mp_executor, "_remove_leftovers", keeps_rendezvous):
+        DiffusionEngine.make_engine(config).close()
+    left = baseline.since(settle_s=1.0)
+    for name in rendezvous_dirs() - baseline.rendezvous_dirs:
+        shutil.rmtree(Path(tempfile.gettempdir(), name))
+    [kept] = left
+    assert kept.startswith(f"rendezvous directory {RENDEZVOUS_PREFIX}{os.getpid()}-")
+    assert baseline.since() == []

@@ -217,6 +217,30 @@ def lora_config(mode: str) -> EngineConfig:
     )
 
 
+def cfg_parallel_config(mode: str) -> EngineConfig:
+    """The ``cfg-parallel`` target's engine config: digits on two mp ranks that
+    split guidance branches (a worker group starts per example)."""
+    return EngineConfig(
+        pipeline="digits",
+        device="cpu",
+        max_num_seqs=3,
+        execution_mode=mode,
+        cfg_parallel_size=2,
+        warmup=False,
+        worker_start_timeout_s=120.0,
+    )
+
+
+def cfg_parallel_harness(mode: str) -> type[CoreLifecycleMachine]:
+    """The core harness over CFG-parallel digits, held bit for bit to the direct
+    oracle, which runs the pipeline in this process with every degree at 1."""
+    return core_lifecycle_machine(
+        lambda: cfg_parallel_config(mode),
+        prompts=DIGIT_PROMPTS,
+        params=sampling_params(steps=(2, 4), outputs=(1, 2), guidance=[1.0, 2.0]),
+    )
+
+
 def front_harness(mode: str) -> type[EngineLifecycleMachine]:
     """The front harness over a :class:`~diffusion_runtime.engine.DiffusionEngine`."""
     return lifecycle_machine(
@@ -300,7 +324,8 @@ def lockstep_harness(mode: str) -> type[EngineLifecycleMachine]:
 #: trajectories, preempting in step mode), ``outputs-mp`` (the same over the mp
 #: executor), ``outputs-streamed`` (the same in step mode, trajectories streamed
 #: with the progress outputs), ``outputs-front`` and ``outputs-stage`` (the front
-#: and stage targets with output options drawn).
+#: and stage targets with output options drawn), ``cfg-parallel`` (an EngineCore
+#: over two mp ranks that split guidance, against the degree-1 oracle).
 #: The preemptive and deadline targets
 #: run in step mode whatever the mode.
 HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
@@ -321,6 +346,7 @@ HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "outputs-mp": lambda mode: outputs_harness(mode, "mp"),
     "outputs-streamed": lambda mode: outputs_harness("step", streams=True),
     "outputs-front": front_outputs_harness,
+    "cfg-parallel": cfg_parallel_harness,
     "outputs-stage": lambda mode: front_outputs_harness(mode, "stage"),
 }
 
