@@ -11,15 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diffusion_runtime import EngineConfig, SamplingParams
+from diffusion_runtime import EngineConfig, LoRARequest, SamplingParams
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.pipelines.digits import LORA_ADAPTERS
 
 Script = Callable[[EngineCore], dict[str, RequestOutput]]
 NULL_CLASS = 10  # the digits model's unconditional label
@@ -72,7 +74,13 @@ def request_cores() -> Iterator[tuple[EngineCore, EngineCore]]:
 
 @pytest.fixture(scope="module")
 def step_cores() -> Iterator[tuple[EngineCore, EngineCore]]:
-    yield from core_pair(execution_mode="step", max_num_seqs=3, scheduling_policy="priority")
+    yield from core_pair(
+        execution_mode="step",
+        max_num_seqs=3,
+        scheduling_policy="priority",
+        preempted_offload_bytes=16 * 2**10,  # preempted states resume from host memory
+        max_loras=2,
+    )
 
 
 def drain(core: EngineCore) -> dict[str, RequestOutput]:
@@ -101,6 +109,14 @@ GUIDED = SamplingParams(num_inference_steps=5, guidance_scale=3.0)
 GUIDED_PAIR = SamplingParams(num_inference_steps=3, guidance_scale=1.5, num_outputs_per_prompt=2)
 PLAIN = SamplingParams(num_inference_steps=4, num_outputs_per_prompt=2)
 NOISY = SamplingParams(num_inference_steps=4, extra_args={"eta": 0.5})
+BOLD = LoRARequest("bold", 1, str(LORA_ADAPTERS["bold"]))
+INVERTED = LoRARequest("inverted", 2, str(LORA_ADAPTERS["inverted"]))
+ADAPTED = [
+    attrs.evolve(GUIDED, lora=BOLD),
+    attrs.evolve(PLAIN, lora=INVERTED),
+    GUIDED_PAIR,
+    attrs.evolve(GUIDED_PAIR, lora=INVERTED),
+]
 MIXES = {
     "guided": [GUIDED, GUIDED_PAIR],
     "unguided": [PLAIN, NOISY, PLAIN],
@@ -136,11 +152,11 @@ def test_each_rank_computes_one_guidance_branch(
     assert {0, 1} <= set(cond)  # rank 0: the prompts' digits (and null-class padding)
 
 
-@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("mix", [*sorted(MIXES), "adapters"])
 def test_step_mode_images_are_bit_identical_to_one_rank(
     step_cores: tuple[EngineCore, EngineCore], mix: str
 ) -> None:
-    finals = run_both(step_cores, submit_all(MIXES[mix]))
+    finals = run_both(step_cores, submit_all(ADAPTED if mix == "adapters" else MIXES[mix]))
     assert all(out.ok for out in finals.values())
 
 
@@ -161,6 +177,7 @@ def test_preempted_and_resumed_requests_are_bit_identical_to_one_rank(
         core.step()
         assert core.scheduler.num_preemptions > before
         assert core.scheduler.requests["low-guided"].state is RequestStatus.PREEMPTED
+        assert core.snapshot().runner_offloaded_ids, "a preempted state waits in host memory"
         return {**finals, **drain(core)}
 
     finals = run_both(step_cores, script)
