@@ -141,9 +141,10 @@ class EngineConfig:
     more. ``request_batch_max_wait_ms > 0`` lets the request scheduler wait that
     long for a fuller wave. ``max_waiting_requests=None`` leaves the queue unbounded.
     ``streaming_output=True`` turns on step mode and sends a preview every
-    ``preview_interval`` steps. ``init_distributed`` joins the worker processes
-    in a ``torch.distributed`` group; ``worker_start_timeout_s`` bounds their
-    start-up and ``shutdown_grace_s`` how long they get to stop before being killed.
+    ``preview_interval`` steps. ``init_distributed`` joins the workers (mp
+    processes or Ray actors) in a ``torch.distributed`` group;
+    ``worker_start_timeout_s`` bounds their start-up and ``shutdown_grace_s``
+    how long they get to stop before being killed.
     ``cfg_parallel_size`` (1 or 2), ``ulysses_degree`` and ``ring_degree``
     split each forward between ranks that share one model
     (``docs/parallelism.md``); their product is the world size, which

@@ -64,14 +64,6 @@ def test_a_pipeline_refuses_the_degrees_it_does_not_declare() -> None:
     assert no_cfg.value.field == "cfg_parallel_size"
 
 
-def test_the_ray_executor_refuses_degrees_above_one_by_field() -> None:
-    ray_executor = pytest.importorskip("diffusion_runtime.executor.ray")
-    config = EngineConfig(device="cpu", executor_backend="ray", cfg_parallel_size=2)
-    with pytest.raises(InvalidFieldError, match="executor_backend='mp'") as refused:
-        ray_executor.RayExecutor(config)
-    assert refused.value.field == "cfg_parallel_size"
-
-
 def test_evolving_a_degree_needs_the_worker_count_to_follow() -> None:
     config = EngineConfig(device="cpu")
     with pytest.raises(InvalidFieldError, match="num_workers"):

@@ -299,8 +299,24 @@ def test_config_fields_are_checked() -> None:
         ray_config(ray_liveness_timeout_s=0)
     with pytest.raises(InvalidFieldError, match="ray_address"):
         ray_config(ray_address="")
-    with pytest.raises(InvalidFieldError, match="init_distributed"):
-        RayExecutor(ray_config(init_distributed=True))
+
+
+def test_cfg_parallel_actors_share_one_model_bit_identical_to_one_rank(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    """Two actors on two nodes join one gloo group through the executor's store and
+    split the guidance branches; every image equals one rank's, bit for bit."""
+    params = [
+        SamplingParams(num_inference_steps=4, guidance_scale=3.0, seed=1),
+        SamplingParams(num_inference_steps=3, num_outputs_per_prompt=2, seed=2),
+        SamplingParams(num_inference_steps=4, guidance_scale=1.5, num_outputs_per_prompt=2, seed=3),
+    ]
+    prompts = ["3", "5", "8"]
+    with DiffusionEngine.make_engine(EngineConfig(pipeline="digits", device="cpu")) as one:
+        expected = one.generate(prompts, params)
+    engine = ray_engine(pipeline="digits", cfg_parallel_size=2, worker_extensions=())
+    for got, want in zip(engine.generate(prompts, params), expected, strict=True):
+        assert got.ok and torch.equal(got.image_batch, want.image_batch)
 
 
 def test_a_worker_that_cannot_start_releases_everything(two_nodes: Cluster) -> None:
