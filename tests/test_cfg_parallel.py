@@ -8,6 +8,7 @@ fixed-size chunks, so splitting rows between ranks must not change a bit.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from diffusion_runtime.core import EngineCore
 from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.pipelines.digits import LORA_ADAPTERS
+from diffusion_runtime.stage import StageClient
 
 Script = Callable[[EngineCore], dict[str, RequestOutput]]
 NULL_CLASS = 10  # the digits model's unconditional label
@@ -201,3 +203,26 @@ def test_any_step_mode_workload_is_bit_identical_to_one_rank(
     step_cores: tuple[EngineCore, EngineCore], workload: list[SamplingParams]
 ) -> None:
     run_both(step_cores, submit_all(workload))
+
+
+def test_the_stage_serves_cfg_parallel_images_bit_identical_to_one_rank(
+    request_cores: tuple[EngineCore, EngineCore],
+) -> None:
+    """A stage process whose engine runs two ranks that split guidance."""
+    _, reference = request_cores
+    params = [attrs.evolve(p, seed=200 + i) for i, p in enumerate(MIXES["mixed"])]
+    prompts = [str(i) for i in range(len(params))]
+    config = EngineConfig(
+        pipeline="digits", device="cpu", cfg_parallel_size=2, warmup=False,
+        worker_start_timeout_s=120.0,
+    )  # fmt: skip
+
+    async def on_the_stage() -> list[RequestOutput]:
+        async with StageClient(config) as client:
+            return await client.generate(prompts, params)
+
+    outputs = asyncio.run(on_the_stage())
+    for i, (prompt, p, out) in enumerate(zip(prompts, params, outputs, strict=True)):
+        reference.add_request(f"stage-{i}", prompt, p, seed=200 + i)
+        want = drain(reference)[f"stage-{i}"]
+        assert out.ok and torch.equal(out.image_batch, want.image_batch)
