@@ -21,7 +21,13 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from conftest import engine_threads
-from executor_helpers import DEEPER_THAN_PICKLE, GatedPipeline, PreviewingNoise, chain
+from executor_helpers import (
+    DEEPER_THAN_PICKLE,
+    GatedPipeline,
+    PreviewingNoise,
+    chain,
+    run_in_thread,
+)
 from hypothesis import HealthCheck, settings
 from lora_adapters import FAULTY_NAME, FailStageOnRankOne, adapter, write_peft_adapter
 from pause_rounds import ROUNDS, run_rounds
@@ -418,6 +424,44 @@ def test_a_removed_node_fails_every_caller_and_the_engine(
     assert_every_caller_failed_fast(holders, removed_at)
     with pytest.raises(EngineDeadError):
         engine.check_health()
+
+
+class PassCount:
+    """A worker extension: how many network passes this rank has run."""
+
+    def __init__(self, worker: Any) -> None:
+        self.passes = 0
+        worker.pipeline.model.register_forward_pre_hook(self._count)
+
+    def _count(self, module: Any, args: Any) -> None:
+        self.passes += 1
+
+    def network_passes(self) -> int:
+        return self.passes
+
+
+def test_an_actor_killed_mid_gather_fails_every_caller_and_the_engine(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    engine = ray_engine(
+        pipeline="digits",
+        cfg_parallel_size=2,
+        execution_mode="step",
+        worker_extensions=(PassCount,),
+    )
+    long_guided = SamplingParams(num_inference_steps=1000, guidance_scale=3.0)
+    callers = [
+        run_in_thread(lambda p=params: engine.generate(["3"], p))
+        for params in (attrs.evolve(long_guided, seed=s) for s in (1, 2))
+    ]
+    # RPCs run between steps: rank 1 is in the middle of the guided run.
+    wait_until(lambda: engine.collective_rpc("network_passes")[1] > 5, "a few guided steps")
+    killed_at = time.monotonic()
+    os.kill(executor_of(engine).worker_pids[1], signal.SIGKILL)
+    for caller in callers:
+        with pytest.raises(EngineDeadError):
+            caller.result(ANSWER_BOUND_S + 5)
+    assert time.monotonic() - killed_at < ANSWER_BOUND_S
 
 
 # -- the lifecycle harness ---------------------------------------------------------------
