@@ -2,8 +2,9 @@
 
 Each module-scoped core pair runs the same script of requests and steps: one
 core with ``cfg_parallel_size=2`` (two mp ranks in a gloo group), one
-reference with every degree at 1. The digits model computes each row in
-fixed-size chunks, so splitting rows between ranks must not change a bit.
+reference with every degree at 1 (and the stage test runs a stage over
+two ranks). The digits model computes each row in fixed-size chunks, so
+splitting rows between ranks must not change a bit.
 """
 
 from __future__ import annotations
