@@ -67,7 +67,18 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode", choices=["request", "step"], default="request", help="execution mode"
     )
-    parser.add_argument("--workers", type=int, default=1, help="worker processes (>1 uses 'mp')")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes (>1 uses 'mp'; default: the product of the degrees below)",
+    )
+    for flag, what in (
+        ("--cfg-parallel-size", "ranks that split guidance branches (1 or 2)"),
+        ("--ulysses-degree", "ranks that split the sequence by attention heads"),
+        ("--ring-degree", "ranks that split the sequence by ring attention"),
+    ):
+        parser.add_argument(flag, type=int, default=1, help=f"{what}; see docs/parallelism.md")
 
 
 def _engine_config(args: argparse.Namespace, *, stream_progress: bool = False) -> EngineConfig:
@@ -83,7 +94,10 @@ def _engine_config(args: argparse.Namespace, *, stream_progress: bool = False) -
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         execution_mode=args.mode,
-        num_workers=args.workers,
+        cfg_parallel_size=args.cfg_parallel_size,
+        ulysses_degree=args.ulysses_degree,
+        ring_degree=args.ring_degree,
+        **({} if args.workers is None else {"num_workers": args.workers}),
         streaming_output=stream_progress and args.mode == "step",
         preview_interval=NO_PREVIEWS,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,8 @@ AUDIT_MODES = ("off", "report", "raise")
 RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 BUILTIN_POLICIES = ("fifo", "priority", "edf", "slo")
 DEADLINE_MISS_ACTIONS = ("run_late", "drop")
+#: The parallel degrees, as fields of :class:`EngineConfig` (``docs/parallelism.md``).
+PARALLEL_DEGREES = ("cfg_parallel_size", "ulysses_degree", "ring_degree")
 
 
 def default_device() -> str:
@@ -45,6 +48,15 @@ def _is_device(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> No
         torch.device(value)
     except Exception:
         fail(instance, attribute.name, rule, value)
+
+
+def _world_size_default(config: Any) -> Any:
+    """``num_workers``' default: the product of the degrees (1 while one is not an
+    integer: its own validator, which runs first, refuses it)."""
+    degrees = [getattr(config, name) for name in PARALLEL_DEGREES]
+    if all(isinstance(d, int) and not isinstance(d, bool) for d in degrees):
+        return math.prod(degrees)
+    return 1
 
 
 def _is_pipeline_spec(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -142,9 +154,15 @@ class EngineConfig:
     more. ``request_batch_max_wait_ms > 0`` lets the request scheduler wait that
     long for a fuller wave. ``max_waiting_requests=None`` leaves the queue unbounded.
     ``streaming_output=True`` turns on step mode and sends a preview every
-    ``preview_interval`` steps. ``init_distributed`` joins the worker processes
-    in a ``torch.distributed`` group; ``worker_start_timeout_s`` bounds their
-    start-up and ``shutdown_grace_s`` how long they get to stop before being killed.
+    ``preview_interval`` steps. ``init_distributed`` joins the workers (mp
+    processes or Ray actors) in a ``torch.distributed`` group;
+    ``worker_start_timeout_s`` bounds their start-up and ``shutdown_grace_s``
+    how long they get to stop before being killed.
+    ``cfg_parallel_size`` (1 or 2), ``ulysses_degree`` and ``ring_degree``
+    split each forward between ranks that share one model
+    (``docs/parallelism.md``); their product is the world size, which
+    ``num_workers`` defaults to and must then equal, and a degree above 1
+    joins the workers in a group as ``init_distributed`` does.
     ``worker_liveness_timeout_s`` is how long a worker process may go without a
     heartbeat before it counts as hung (stopped, deadlocked) and the executor fails.
     ``intra_op_threads`` is torch's thread count in the thread that runs the
@@ -207,7 +225,14 @@ class EngineConfig:
     )
     execution_mode: str = attrs.field(default="request", validator=one_of(*EXECUTION_MODES))
     executor_backend: str | type | None = attrs.field(default=None, validator=_is_backend)
-    num_workers: int = attrs.field(default=1, validator=int_in_range(1, 1024))
+    # The degrees come before num_workers: its default is their product.
+    cfg_parallel_size: int = attrs.field(default=1, validator=int_in_range(1, 2))
+    ulysses_degree: int = attrs.field(default=1, validator=int_in_range(1, 1024))
+    ring_degree: int = attrs.field(default=1, validator=int_in_range(1, 1024))
+    num_workers: int = attrs.field(
+        default=attrs.Factory(_world_size_default, takes_self=True),
+        validator=int_in_range(1, 1024),
+    )
     request_batch_max_wait_ms: float = attrs.field(
         default=0.0, validator=finite_in_range(0.0, 60_000.0)
     )
@@ -258,6 +283,7 @@ class EngineConfig:
     )
 
     def __attrs_post_init__(self) -> None:
+        self._check_parallel_degrees()
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             fail(
                 self,
@@ -265,6 +291,33 @@ class EngineConfig:
                 f"must be at least max_loras ({self.max_loras})",
                 self.max_cpu_loras,
             )
+
+    def _check_parallel_degrees(self) -> None:
+        if self.world_size == 1:
+            return
+        if self.num_workers != self.world_size:
+            rule = (
+                f"must equal cfg_parallel_size * ulysses_degree * ring_degree "
+                f"({self.world_size}) when a degree is above 1: every rank shares one model"
+            )
+            fail(self, "num_workers", rule, self.num_workers)
+        if self.executor_backend == "uni":
+            rule = (
+                "must be 'mp' or 'ray' when a parallel degree is above 1: "
+                "the ranks that share one model run in separate processes"
+            )
+            fail(self, "executor_backend", rule, self.executor_backend)
+
+    @property
+    def world_size(self) -> int:
+        """The ranks that share one model: the product of the parallel degrees."""
+        return self.cfg_parallel_size * self.ulysses_degree * self.ring_degree
+
+    @property
+    def joins_process_group(self) -> bool:
+        """Whether the workers join one ``torch.distributed`` group: asked for, or
+        needed by a parallel degree above 1."""
+        return self.init_distributed or self.world_size > 1
 
     @property
     def lora_capacity(self) -> int:

@@ -78,6 +78,11 @@ class DeviceFault(DiffusionRuntimeError):
     """
 
 
+class CollectiveFault(DeviceFault):
+    """A collective between the ranks that share one model failed: a peer died, or
+    hung past the group's timeout. The group is broken, so the executor fails."""
+
+
 class RPCError(DiffusionRuntimeError):
     """A collective RPC was refused, failed on a worker or timed out."""
 

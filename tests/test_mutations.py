@@ -50,6 +50,9 @@ PATIENT_EXAMPLES = 1500
 #: The bugs whose path is rare take 100-150 by the draws, and the draws move with
 #: every rule added: the budget leaves room, and a caught bug stops the hunt.
 CATCH_EXAMPLES = 500
+#: Examples for each passing run of the cfg-parallel target (a worker group starts per
+#: example, about 16 s each on two cores).
+CFG_PARALLEL_EXAMPLES = 4
 #: Examples for each passing run of the adapter target (digits, about 0.4 s each).
 LORA_EXAMPLES = 100
 #: The outputs target's passing run (each example's oracle steps every request alone).
@@ -109,6 +112,7 @@ FAST_SUBSET = {
     "custom-timesteps-ignored-on-join",
     "group-merge-drops-last-child",
     "streamed-parts-share-one-counter",
+    "cfg-branches-swapped",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.
@@ -424,6 +428,12 @@ def test_the_real_runtime_passes_on_mp() -> None:
     passes(machine, MP_EXAMPLES)
     print(machine.reach.table())
     assert not machine.reach.missing(REQUIRED_REACH["mp"]), machine.reach.table()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_real_runtime_passes_cfg_parallel_as_the_degree_1_oracle(mode: str) -> None:
+    passes(harness_for("cfg-parallel", mode), CFG_PARALLEL_EXAMPLES)
 
 
 @pytest.mark.slow

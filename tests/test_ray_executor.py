@@ -21,7 +21,13 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from conftest import engine_threads
-from executor_helpers import DEEPER_THAN_PICKLE, GatedPipeline, PreviewingNoise, chain
+from executor_helpers import (
+    DEEPER_THAN_PICKLE,
+    GatedPipeline,
+    PreviewingNoise,
+    chain,
+    run_in_thread,
+)
 from hypothesis import HealthCheck, settings
 from lora_adapters import FAULTY_NAME, FailStageOnRankOne, adapter, write_peft_adapter
 from pause_rounds import ROUNDS, run_rounds
@@ -299,8 +305,24 @@ def test_config_fields_are_checked() -> None:
         ray_config(ray_liveness_timeout_s=0)
     with pytest.raises(InvalidFieldError, match="ray_address"):
         ray_config(ray_address="")
-    with pytest.raises(InvalidFieldError, match="init_distributed"):
-        RayExecutor(ray_config(init_distributed=True))
+
+
+def test_cfg_parallel_actors_share_one_model_bit_identical_to_one_rank(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    """Two actors on two nodes join one gloo group through the executor's store and
+    split the guidance branches; every image equals one rank's, bit for bit."""
+    params = [
+        SamplingParams(num_inference_steps=4, guidance_scale=3.0, seed=1),
+        SamplingParams(num_inference_steps=3, num_outputs_per_prompt=2, seed=2),
+        SamplingParams(num_inference_steps=4, guidance_scale=1.5, num_outputs_per_prompt=2, seed=3),
+    ]
+    prompts = ["3", "5", "8"]
+    with DiffusionEngine.make_engine(EngineConfig(pipeline="digits", device="cpu")) as one:
+        expected = one.generate(prompts, params)
+    engine = ray_engine(pipeline="digits", cfg_parallel_size=2, worker_extensions=())
+    for got, want in zip(engine.generate(prompts, params), expected, strict=True):
+        assert got.ok and torch.equal(got.image_batch, want.image_batch)
 
 
 def test_a_worker_that_cannot_start_releases_everything(two_nodes: Cluster) -> None:
@@ -402,6 +424,44 @@ def test_a_removed_node_fails_every_caller_and_the_engine(
     assert_every_caller_failed_fast(holders, removed_at)
     with pytest.raises(EngineDeadError):
         engine.check_health()
+
+
+class PassCount:
+    """A worker extension: how many network passes this rank has run."""
+
+    def __init__(self, worker: Any) -> None:
+        self.passes = 0
+        worker.pipeline.model.register_forward_pre_hook(self._count)
+
+    def _count(self, module: Any, args: Any) -> None:
+        self.passes += 1
+
+    def network_passes(self) -> int:
+        return self.passes
+
+
+def test_an_actor_killed_mid_gather_fails_every_caller_and_the_engine(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    engine = ray_engine(
+        pipeline="digits",
+        cfg_parallel_size=2,
+        execution_mode="step",
+        worker_extensions=(PassCount,),
+    )
+    long_guided = SamplingParams(num_inference_steps=1000, guidance_scale=3.0)
+    callers = [
+        run_in_thread(lambda p=params: engine.generate(["3"], p))
+        for params in (attrs.evolve(long_guided, seed=s) for s in (1, 2))
+    ]
+    # RPCs run between steps: rank 1 is in the middle of the guided run.
+    wait_until(lambda: engine.collective_rpc("network_passes")[1] > 5, "a few guided steps")
+    killed_at = time.monotonic()
+    os.kill(executor_of(engine).worker_pids[1], signal.SIGKILL)
+    for caller in callers:
+        with pytest.raises(EngineDeadError):
+            caller.result(ANSWER_BOUND_S + 5)
+    assert time.monotonic() - killed_at < ANSWER_BOUND_S
 
 
 # -- the lifecycle harness ---------------------------------------------------------------

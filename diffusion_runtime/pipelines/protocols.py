@@ -93,6 +93,13 @@ class RequestPipeline(Protocol):
       whose :class:`SamplingParams` field this pipeline honours, in both modes
       (its own checks of the values go in ``validate_request``). A request
       that brings another is refused at admission.
+    - ``parallel_degrees``: the :class:`~diffusion_runtime.config.EngineConfig`
+      degree fields (``"cfg_parallel_size"``, ...) this pipeline splits its
+      forward by; a degree above 1 that it does not declare is refused at
+      start-up. With one above 1, the worker calls ``enable_parallel(context)``
+      once, with this rank's
+      :class:`~diffusion_runtime.pipelines.parallel.ParallelContext`
+      (``docs/parallelism.md``).
     """
 
     supports_request_batch: bool

@@ -24,6 +24,7 @@ from diffusion_runtime.lora.weights import AdapterFileError
 from diffusion_runtime.lora_request import LoRARequest
 from diffusion_runtime.pipelines.registry import build_pipeline, import_object
 from diffusion_runtime.runner.model_runner import ModelRunner
+from diffusion_runtime.runner.parallel import enable_parallel
 from diffusion_runtime.runner.profiling import WorkerProfiler
 from diffusion_runtime.runner.sleep import WorkerSleep
 from diffusion_runtime.runner.weights import device_weight_bytes
@@ -134,6 +135,7 @@ class Worker:
         self.pipeline = build_pipeline(config.pipeline, self.device, config.pipeline_kwargs)
         self._methods: dict[str, Callable[..., Any]] = {}
         try:
+            enable_parallel(self.pipeline, config, rank)
             self.runner = ModelRunner(
                 self.pipeline,
                 self.device,

@@ -1,4 +1,5 @@
-"""What a test may leave behind: child processes, threads and stage socket directories.
+"""What a test may leave behind: child processes, threads, stage socket directories
+and process-group rendezvous directories.
 
 :class:`Leftovers` takes a baseline before the code under test runs and
 names, afterwards, what it started and did not release.
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import attrs
 
+from diffusion_runtime.executor.mp.executor import RENDEZVOUS_PREFIX
 from diffusion_runtime.stage.endpoints import SOCKET_DIR_PREFIX
 
 #: How long released resources may take to disappear (a process being reaped).
@@ -43,19 +45,31 @@ def stage_socket_dirs() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob(pattern)}
 
 
+def rendezvous_dirs() -> set[str]:
+    """The ``torch.distributed`` rendezvous directories of this process's mp executors."""
+    pattern = f"{RENDEZVOUS_PREFIX}{os.getpid()}-*"
+    return {p.name for p in Path(tempfile.gettempdir()).glob(pattern)}
+
+
 @attrs.frozen
 class Leftovers:
-    """A baseline of processes, threads and socket directories; :meth:`since` names
+    """A baseline of processes, threads and directories; :meth:`since` names
     what appeared after it and is still there once ``SETTLE_S`` has passed."""
 
     children: frozenset[int]
     threads: frozenset[threading.Thread]
     socket_dirs: frozenset[str]
+    rendezvous_dirs: frozenset[str]
 
     @classmethod
     def baseline(cls) -> Leftovers:
         threads = frozenset(threading.enumerate())
-        return cls(frozenset(child_pids()), threads, frozenset(stage_socket_dirs()))
+        return cls(
+            frozenset(child_pids()),
+            threads,
+            frozenset(stage_socket_dirs()),
+            frozenset(rendezvous_dirs()),
+        )
 
     def since(self, settle_s: float = SETTLE_S) -> list[str]:
         """What is left beyond the baseline, in words (empty: nothing)."""
@@ -70,8 +84,10 @@ class Leftovers:
         processes = child_pids() - self.children
         threads = [t.name for t in threading.enumerate() if t not in self.threads]
         dirs = stage_socket_dirs() - self.socket_dirs
+        rendezvous = rendezvous_dirs() - self.rendezvous_dirs
         return [
             *(f"child process {pid}" for pid in sorted(processes)),
             *(f"thread {name!r}" for name in sorted(threads)),
             *(f"socket directory {name}" for name in sorted(dirs)),
+            *(f"rendezvous directory {name}" for name in sorted(rendezvous)),
         ]

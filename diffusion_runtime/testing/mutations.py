@@ -36,6 +36,7 @@ from diffusion_runtime.testing.lora_mutations import LORA_MUTATIONS
 from diffusion_runtime.testing.mutation import Mutation as Mutation
 from diffusion_runtime.testing.mutation import Patch
 from diffusion_runtime.testing.output_mutations import OUTPUT_MUTATIONS
+from diffusion_runtime.testing.parallel_mutations import PARALLEL_MUTATIONS
 from diffusion_runtime.testing.patching import replace_attribute as _replace
 from diffusion_runtime.testing.policy_mutations import POLICY_MUTATIONS
 from diffusion_runtime.testing.preemption_mutations import PREEMPTION_MUTATIONS
@@ -286,6 +287,7 @@ CATALOGUE: tuple[Mutation, ...] = (
     *SLEEP_MUTATIONS,
     *OUTPUT_MUTATIONS,
     *SCHEDULE_MUTATIONS,
+    *PARALLEL_MUTATIONS,
     *GROUP_MUTATIONS,
     *CACHE_MUTATIONS,
 )

@@ -257,6 +257,30 @@ def cache_config(mode: str) -> EngineConfig:
     )
 
 
+def cfg_parallel_config(mode: str) -> EngineConfig:
+    """The ``cfg-parallel`` target's engine config: digits on two mp ranks that
+    split guidance branches (a worker group starts per example)."""
+    return EngineConfig(
+        pipeline="digits",
+        device="cpu",
+        max_num_seqs=3,
+        execution_mode=mode,
+        cfg_parallel_size=2,
+        warmup=False,
+        worker_start_timeout_s=120.0,
+    )
+
+
+def cfg_parallel_harness(mode: str) -> type[CoreLifecycleMachine]:
+    """The core harness over CFG-parallel digits, held bit for bit to the direct
+    oracle, which runs the pipeline in this process with every degree at 1."""
+    return core_lifecycle_machine(
+        lambda: cfg_parallel_config(mode),
+        prompts=DIGIT_PROMPTS,
+        params=sampling_params(steps=(2, 4), outputs=(1, 2), guidance=[1.0, 2.0]),
+    )
+
+
 def front_harness(mode: str) -> type[EngineLifecycleMachine]:
     """The front harness over a :class:`~diffusion_runtime.engine.DiffusionEngine`."""
     return lifecycle_machine(
@@ -341,7 +365,9 @@ def lockstep_harness(mode: str) -> type[EngineLifecycleMachine]:
 #: executor), ``outputs-streamed`` (the same in step mode, trajectories streamed
 #: with the progress outputs), ``outputs-front`` and ``outputs-stage`` (the front
 #: and stage targets with output options drawn), ``cache`` (an EngineCore over the
-#: digits pipeline with a step cache, cache settings drawn per request).
+#: digits pipeline with a step cache, cache settings drawn per request),
+#: ``cfg-parallel`` (an EngineCore over two mp ranks that split guidance, against
+#: the degree-1 oracle).
 #: The preemptive and deadline targets
 #: run in step mode whatever the mode.
 HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
@@ -362,6 +388,7 @@ HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "outputs-mp": lambda mode: outputs_harness(mode, "mp"),
     "outputs-streamed": lambda mode: outputs_harness("step", streams=True),
     "outputs-front": front_outputs_harness,
+    "cfg-parallel": cfg_parallel_harness,
     "outputs-stage": lambda mode: front_outputs_harness(mode, "stage"),
     "cache": cache_harness,
 }

@@ -48,6 +48,9 @@ from diffusion_runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+#: The name prefix of a process group's rendezvous directory (then the engine's pid).
+RENDEZVOUS_PREFIX = "diffusion-rt-dist-"
+
 
 class MultiprocExecutor(DiffusionExecutor):
     """``executor_backend="mp"``: ``num_workers`` spawned processes, one per device.
@@ -67,8 +70,8 @@ class MultiprocExecutor(DiffusionExecutor):
         self._segment_prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
         self._dist_dir: str | None = None
         init_method = None
-        if config.init_distributed:
-            self._dist_dir = tempfile.mkdtemp(prefix="diffusion-rt-dist-")
+        if config.joins_process_group:
+            self._dist_dir = tempfile.mkdtemp(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}-")
             init_method = f"file://{self._dist_dir}/rendezvous"
         specs = [
             WorkerSpec(config_sent, rank, self._segment_prefix, init_method)

@@ -20,6 +20,7 @@ Threads in the process:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import multiprocessing
 import os
@@ -279,11 +280,14 @@ class WorkerProcess:
         if self.spec.dist_init_method is not None:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
+            # The timeout bounds every collective: a rank left waiting on a dead or
+            # hung peer fails its call instead of blocking past the liveness bound.
             torch.distributed.init_process_group(
                 backend="nccl" if device.type == "cuda" else "gloo",
                 init_method=self.spec.dist_init_method,
                 world_size=config.num_workers,
                 rank=self.rank,
+                timeout=datetime.timedelta(seconds=config.worker_liveness_timeout_s),
             )
         self._worker = Worker(config, self.rank)
         if self.rank == 0:

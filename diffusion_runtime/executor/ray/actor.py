@@ -15,11 +15,13 @@ from typing import Any
 import attrs
 import ray
 import torch
+import torch.distributed as dist
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
 from diffusion_runtime.executor.mp.remote_error import RemoteError
 from diffusion_runtime.executor.ray.failures import WorkerMethodError
+from diffusion_runtime.executor.ray.rendezvous import StoreAddress
 from diffusion_runtime.executor.ray.transport import WaveReply
 from diffusion_runtime.runner.worker import Worker
 from diffusion_runtime.sampling_params import SamplingParams
@@ -41,7 +43,7 @@ class WorkerDescription:
 class RayWorker:
     """One worker rank inside a Ray actor (created by :class:`RayWorkerGroup`)."""
 
-    def __init__(self, config: EngineConfig, rank: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int, store: StoreAddress | None) -> None:
         device = torch.device(config.device)
         if device.type == "cuda":
             # Ray shows the actor only the GPU of its bundle, as device 0.
@@ -49,6 +51,8 @@ class RayWorker:
         elif config.intra_op_threads is None:
             # Without this every worker on a node would use all of its cores.
             torch.set_num_threads(max(1, int(config.ray_cpus_per_worker)))
+        if store is not None:
+            store.join(rank, torch.device(config.device))
         self._worker = Worker(config, rank)
         self._bound_thread = threading.get_ident()
 
@@ -83,6 +87,8 @@ class RayWorker:
 
     def shutdown(self) -> None:
         self._worker.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def _call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._bound_thread != threading.get_ident():

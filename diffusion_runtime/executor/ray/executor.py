@@ -14,7 +14,7 @@ from ray import cloudpickle
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.contracts import RunnerOutput, SchedulerOutput
-from diffusion_runtime.errors import EngineDeadError, InvalidFieldError, RPCError
+from diffusion_runtime.errors import EngineDeadError, RPCError
 from diffusion_runtime.executor.base import DiffusionExecutor, check_request_input
 from diffusion_runtime.executor.failure import SHUT_DOWN, report_failure
 from diffusion_runtime.executor.portable import require_serialisable, with_portable_pipeline
@@ -22,6 +22,7 @@ from diffusion_runtime.executor.ray.connection import RayConnection
 from diffusion_runtime.executor.ray.failures import is_lost_worker, remote_cause
 from diffusion_runtime.executor.ray.group import RayWorkerGroup
 from diffusion_runtime.executor.ray.liveness import LivenessMonitor
+from diffusion_runtime.executor.ray.rendezvous import GroupRendezvous
 from diffusion_runtime.executor.ray.transport import WaveReply
 from diffusion_runtime.executor.request_checks import serialised_request
 from diffusion_runtime.executor.rpc_checks import (
@@ -56,15 +57,18 @@ class RayExecutor(DiffusionExecutor):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        if config.init_distributed:
-            raise InvalidFieldError(
-                "EngineConfig", "init_distributed", "is not supported by the 'ray' executor", True
-            )
         worker_config = _portable_config(config)
         RayConnection.acquire(config.ray_address)
+        rendezvous = None
         try:
-            self._group = RayWorkerGroup(worker_config)
+            if config.joins_process_group:
+                rendezvous = GroupRendezvous(config.num_workers, config.ray_liveness_timeout_s)
+            self._group = RayWorkerGroup(
+                worker_config, None if rendezvous is None else rendezvous.address
+            )
         except BaseException:
+            if rendezvous is not None:
+                rendezvous.close()
             RayConnection.release()
             raise
         self._actors: list[Any] = list(self._group.actors)
@@ -77,7 +81,7 @@ class RayExecutor(DiffusionExecutor):
             functools.partial(report_failure, weakref.ref(self)),
         )
         self._finalizer = weakref.finalize(
-            self, _release, self._monitor, self._group, config.shutdown_grace_s
+            self, _release, self._monitor, self._group, rendezvous, config.shutdown_grace_s
         )
         self._validates = self._group.descriptions[0].validates
         logger.info(
@@ -225,10 +229,18 @@ def _serialise(value: object) -> bytes:
     return data
 
 
-def _release(monitor: LivenessMonitor, group: RayWorkerGroup, grace: float) -> None:
-    """Stop pinging, stop the actors, then leave Ray (if no other executor uses it)."""
+def _release(
+    monitor: LivenessMonitor,
+    group: RayWorkerGroup,
+    rendezvous: GroupRendezvous | None,
+    grace: float,
+) -> None:
+    """Stop pinging, stop the actors, stop serving their group's store, then leave
+    Ray (if no other executor uses it)."""
     monitor.stop()
     try:
         group.stop(grace)
     finally:
+        if rendezvous is not None:
+            rendezvous.close()
         RayConnection.release()

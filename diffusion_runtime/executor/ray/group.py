@@ -14,6 +14,7 @@ from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.executor.mp.group import WorkerStartError
 from diffusion_runtime.executor.ray.actor import SIDE_GROUP, RayWorker, WorkerDescription
 from diffusion_runtime.executor.ray.failures import remote_cause
+from diffusion_runtime.executor.ray.rendezvous import StoreAddress
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +31,12 @@ class RayWorkerGroup:
     """Reserves one bundle per rank, starts one :class:`RayWorker` actor in each, and
     waits (up to ``worker_start_timeout_s``) until every rank has built its worker.
 
-    If anything fails on the way, every actor and the reservation are released
-    before the error reaches the caller.
+    With ``store``, the actors join one ``torch.distributed`` group through it
+    before building their workers. If anything fails on the way, every actor
+    and the reservation are released before the error reaches the caller.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, store: StoreAddress | None = None) -> None:
         self.placement_group: PlacementGroup | None = None
         self.actors: list[Any] = []
         deadline = time.monotonic() + config.worker_start_timeout_s
@@ -61,7 +63,7 @@ class RayWorkerGroup:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.placement_group, placement_group_bundle_index=rank
                     ),
-                ).remote(config, rank)
+                ).remote(config, rank, store)
                 for rank in range(config.num_workers)
             ]
             self.descriptions = self._wait_started(deadline)

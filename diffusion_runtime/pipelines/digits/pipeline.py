@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from diffusion_runtime.pipelines.digits.model import (
     cosine_alpha_bars,
     ddim_timesteps,
 )
+from diffusion_runtime.pipelines.parallel import ParallelContext, RowBlock
 from diffusion_runtime.pipelines.protocols import (
     PipelineRequest,
     Prompt,
@@ -97,6 +99,8 @@ class DigitsPipeline:
     #: (no sigmas: the model knows only its discrete training timesteps).
     custom_schedules = frozenset({"timesteps"})
     cache_backends = frozenset({"tea_cache"})
+    #: The ranks that share one model split each pass by guidance branch (``enable_parallel``).
+    parallel_degrees = frozenset({"cfg_parallel_size"})
 
     def __init__(
         self, device: torch.device | str = "cpu", weights_dir: str | Path | None = None
@@ -108,6 +112,7 @@ class DigitsPipeline:
         self._alpha_bars = tuple(cosine_alpha_bars(self.config.num_train_timesteps).tolist())
         self._rows_per_call = _ROWS_PER_CALL.get(self.device.type, _ROWS_PER_CALL_DEFAULT)
         self._adapter_slots: AdapterSlots | None = None
+        self._parallel: ParallelContext | None = None
 
     def _load_model(self) -> DigitDenoiser:
         model = DigitDenoiser(self.config)
@@ -237,9 +242,8 @@ class DigitsPipeline:
         t = torch.tensor(timesteps, dtype=torch.long, device=self.device)
         # Guided rows are stacked per state (cond copy, then uncond copy).
         adapters = self._row_adapters(states, [2 if _guided(s) else 1 for s in states])
-        eps = self.model.predict_noise_row_stable(
-            torch.cat(xs), t, torch.cat(labels), self._rows_per_call, adapters
-        )
+        blocks = functools.partial(_state_blocks, states)
+        eps = self._predict(torch.cat(xs), t, torch.cat(labels), adapters, blocks)
         outputs = []
         for state, part in zip(states, torch.split(eps, rows), strict=True):
             if _guided(state):
@@ -310,13 +314,9 @@ class DigitsPipeline:
             torch.full((len(x),), g.lead.timesteps[g.lead.step_index], device=self.device)
             for g, x in zip(groups, inputs, strict=True)
         ]
-        eps = self.model.predict_noise_row_stable(
-            _cat(inputs),
-            _cat(times),
-            labels,
-            self._rows_per_call,
-            self._group_adapters(groups),
-        )
+        blocks = functools.partial(_group_blocks, groups)
+        adapters = self._group_adapters(groups)
+        eps = self._predict(_cat(inputs), _cat(times), labels, adapters, blocks)
         parts = [eps] if len(groups) == 1 else torch.split(eps, [len(x) for x in inputs])
         noise = []
         for group, part in zip(groups, parts, strict=True):
@@ -325,6 +325,36 @@ class DigitsPipeline:
                 part = torch.lerp(uncond, cond, group.lead.request.params.guidance_scale)
             noise.append(part)
         return noise
+
+    def enable_parallel(self, context: ParallelContext) -> None:
+        """Share each network pass with the other ranks (``docs/parallelism.md``)."""
+        self._parallel = context
+
+    def _predict(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        labels: torch.Tensor,
+        adapters: AdapterPlan | None,
+        blocks: Callable[[], list[RowBlock]],
+    ) -> torch.Tensor:
+        """The network's noise for every row. With a parallel context each rank
+        computes the rows of its guidance branch (and its share of unguided
+        requests) and gathers the others: rows are computed row-stably, so
+        every rank gets the bits one rank alone would."""
+        parallel = self._parallel
+        if parallel is None:
+            return self.model.predict_noise_row_stable(x, t, labels, self._rows_per_call, adapters)
+
+        def compute(rows: list[int]) -> torch.Tensor:
+            if not rows:
+                return x.new_empty((0, *x.shape[1:]))
+            index = torch.tensor(rows, device=x.device)
+            return self.model.predict_noise_row_stable(
+                x[index], t[index], labels[index], self._rows_per_call, _rows_of(adapters, rows)
+            )
+
+        return parallel.run_rows(parallel.row_owners(blocks()), compute)
 
     def _group_adapters(self, groups: list[_StepGroup]) -> AdapterPlan | None:
         """Row adapters for :meth:`step_batch`: a guided group stacks all its
@@ -381,6 +411,35 @@ def _step_noise(state: StepRequestState) -> torch.Tensor:
 
 def _guided(state: StepRequestState) -> bool:
     return state.request.params.guidance_scale > 1.0
+
+
+def _state_blocks(states: Sequence[StepRequestState]) -> list[RowBlock]:
+    """The row blocks :meth:`DigitsPipeline.denoise_step` stacks: per state, its
+    conditional and unconditional copies when guided, else one block."""
+    blocks: list[RowBlock] = []
+    for state in states:
+        rows = len(state.latents)
+        blocks += [(rows, 0), (rows, 1)] if _guided(state) else [(rows, None)]
+    return blocks
+
+
+def _group_blocks(groups: Sequence[_StepGroup]) -> list[RowBlock]:
+    """The row blocks :meth:`DigitsPipeline.step_batch` stacks: per guided group,
+    its conditional then unconditional rows; an unguided group by request."""
+    blocks: list[RowBlock] = []
+    for group in groups:
+        if group.guided:
+            blocks += [(len(group.latents), 0), (len(group.latents), 1)]
+        else:
+            blocks += [(len(state.latents), None) for state in group.states]
+    return blocks
+
+
+def _rows_of(adapters: AdapterPlan | None, rows: list[int]) -> AdapterPlan | None:
+    if adapters is None:
+        return None
+    slots, row_slots, row_scales = adapters
+    return slots, [row_slots[i] for i in rows], [row_scales[i] for i in rows]
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
