@@ -120,7 +120,17 @@ ADAPTED = [
     GUIDED_PAIR,
     attrs.evolve(GUIDED_PAIR, lora=INVERTED),
 ]
+#: Step caches decided per request (docs/caching.md): every rank steps the same
+#: latents, so every rank makes the same decisions and gathers the same rows.
+TEA = {"backend": "tea_cache", "rel_l1_thresh": 0.3}
+CACHED = [
+    SamplingParams(num_inference_steps=8, guidance_scale=3.0, cache=TEA),
+    SamplingParams(num_inference_steps=6, num_outputs_per_prompt=2, cache=TEA),
+    GUIDED_PAIR,
+    SamplingParams(num_inference_steps=7, guidance_scale=1.5, cache={**TEA, "warmup_steps": 3}),
+]
 MIXES = {
+    "cached": CACHED,
     "guided": [GUIDED, GUIDED_PAIR],
     "unguided": [PLAIN, NOISY, PLAIN],
     "mixed": [GUIDED, PLAIN, GUIDED_PAIR, NOISY, SamplingParams(num_inference_steps=2)],
@@ -142,6 +152,8 @@ def test_request_mode_images_are_bit_identical_to_one_rank(
 ) -> None:
     finals = run_both(request_cores, submit_all(MIXES[mix]))
     assert all(out.ok for out in finals.values())
+    if mix == "cached":
+        assert sum(out.metrics.cached_steps for out in finals.values()) > 0
 
 
 def test_each_rank_computes_one_guidance_branch(
@@ -161,6 +173,8 @@ def test_step_mode_images_are_bit_identical_to_one_rank(
 ) -> None:
     finals = run_both(step_cores, submit_all(ADAPTED if mix == "adapters" else MIXES[mix]))
     assert all(out.ok for out in finals.values())
+    if mix == "cached":
+        assert sum(out.metrics.cached_steps for out in finals.values()) > 0
 
 
 def test_preempted_and_resumed_requests_are_bit_identical_to_one_rank(
