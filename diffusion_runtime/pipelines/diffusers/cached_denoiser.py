@@ -12,7 +12,6 @@ that size, so a request's output does not depend on its batch mates.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -107,6 +106,15 @@ def cached_denoiser_output(
     return output
 
 
+def first_block_skips(residuals: Sequence[tuple[StepRequestState, torch.Tensor]]) -> list[bool]:
+    """Whether each state (with a first-block cache) skips the later blocks this
+    step, from its own first-block residual alone."""
+    return [
+        state.step_cache.skips(residual, state.step_index, state.num_steps)
+        for state, residual in residuals
+    ]
+
+
 def _first_block_output(
     states: Sequence[StepRequestState],
     sizes: Sequence[int],
@@ -122,16 +130,19 @@ def _first_block_output(
     after_first = in_chunks(blocks.first_block, before, t, labels)
     hidden = after_first.clone()
     running: list[tuple[FirstBlockCacheState | None, slice, torch.Tensor | None]] = []
+    deciding: list[tuple[StepRequestState, slice, torch.Tensor]] = []
     start = 0
     for state, size in zip(states, sizes, strict=True):
         rows = slice(start, start + size)
         start += size
-        cache: Any = state.step_cache
-        if not isinstance(cache, FirstBlockCacheState):
+        if isinstance(state.step_cache, FirstBlockCacheState):
+            deciding.append((state, rows, after_first[rows] - before[rows]))
+        else:
             running.append((None, rows, None))
-            continue
-        residual = after_first[rows] - before[rows]
-        if cache.skips(residual, state.step_index, state.num_steps):
+    decisions = first_block_skips([(state, residual) for state, _, residual in deciding])
+    for (state, rows, residual), skips in zip(deciding, decisions, strict=True):
+        cache: FirstBlockCacheState = state.step_cache
+        if skips:
             assert cache.later_residual is not None
             state.step_cached = True
             hidden[rows] = after_first[rows] + cache.later_residual
