@@ -78,6 +78,10 @@ class DiffusersPipeline:
 
     ``enable_lora`` serves LoRA adapters through diffusers' own LoRA loading
     (peft), each row of a step with its own adapter (``docs/lora.md``).
+
+    A family's :attr:`cache_backends` (the DiT: ``tea_cache`` and ``first_block``)
+    are decided per request inside each step (:mod:`.cached_denoiser`,
+    ``docs/caching.md``).
     """
 
     supports_request_batch = True
