@@ -11,6 +11,10 @@ import torch
 
 from diffusion_runtime.errors import InvalidFieldError, PipelineContractError
 from diffusion_runtime.lora_request import LoRARequest
+from diffusion_runtime.pipelines.diffusers.cached_denoiser import (
+    cached_denoiser_output,
+    step_cache_for,
+)
 from diffusion_runtime.pipelines.diffusers.family import Family
 from diffusion_runtime.pipelines.diffusers.log_probs import StepDensities, step_densities
 from diffusion_runtime.pipelines.diffusers.peft_adapters import PeftAdapters
@@ -74,6 +78,10 @@ class DiffusersPipeline:
 
     ``enable_lora`` serves LoRA adapters through diffusers' own LoRA loading
     (peft), each row of a step with its own adapter (``docs/lora.md``).
+
+    A family's :attr:`cache_backends` (the DiT: ``tea_cache`` and ``first_block``)
+    are decided per request inside each step (:mod:`.cached_denoiser`,
+    ``docs/caching.md``).
     """
 
     supports_request_batch = True
@@ -112,6 +120,11 @@ class DiffusersPipeline:
         self.stacks_scheduler_steps = steps_stack_exactly(
             self._scheduler_template, self.family.min_inference_steps
         )
+
+    @property
+    def cache_backends(self) -> frozenset[str]:
+        """The step caches the wrapped pipeline's family serves (``docs/caching.md``)."""
+        return self.family.cache_backends
 
     @functools.cached_property
     def step_densities(self) -> StepDensities:
@@ -183,6 +196,7 @@ class DiffusersPipeline:
             timesteps=list(scheduler.timesteps),
             scheduler=scheduler,
             conditioning=encoded,
+            step_cache=step_cache_for(request.cache),
         )
 
     @torch.no_grad()
@@ -268,12 +282,22 @@ class DiffusersPipeline:
         if "rows" not in cache:
             cache["rows"] = _cat_or_none([group.rows for group in groups])
             cache["loras"] = _row_loras(groups) if self._adapters is not None else None
+        x_all = inputs[0] if len(groups) == 1 else torch.cat(inputs)
+        t_all = times[0] if len(groups) == 1 else torch.cat(times)
+        if any(state.step_cache is not None for group in groups for state in group.states):
+            output = cached_denoiser_output(
+                groups,
+                x_all,
+                t_all,
+                cache["rows"],
+                family.run_denoiser,
+                family.blocks(),
+                self._in_chunks,
+            )
+        else:
+            output = self._run_denoiser(x_all, t_all, cache["rows"], cache["loras"])
         if len(groups) == 1:
-            output = self._run_denoiser(inputs[0], times[0], cache["rows"], cache["loras"])
             return [family.combine(output, groups[0].guidance)]
-        output = self._run_denoiser(
-            torch.cat(inputs), torch.cat(times), cache["rows"], cache["loras"]
-        )
         parts = torch.split(output, [len(x) for x in inputs])
         return [
             family.combine(part, group.guidance) for group, part in zip(groups, parts, strict=True)

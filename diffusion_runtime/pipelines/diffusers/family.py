@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from diffusion_runtime.errors import InvalidFieldError
+from diffusion_runtime.pipelines.diffusers.dit_blocks import DiTBlocks
 from diffusion_runtime.pipelines.diffusers.scheduler_steps import minimum_inference_steps
 from diffusion_runtime.pipelines.protocols import PipelineRequest, Prompt
 from diffusion_runtime.sampling_params import SamplingParams
@@ -57,6 +58,8 @@ class Family(abc.ABC):
     #: Whether ``decode`` treats each row on its own and ignores the generator, so that
     #: requests finishing together can be decoded by one call.
     decodes_rows_alone: ClassVar[bool] = True
+    #: The step caches this family serves (``docs/caching.md``).
+    cache_backends: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def refusal(cls, pipe: Any) -> str | None:
@@ -100,6 +103,10 @@ class Family(abc.ABC):
     @abc.abstractmethod
     def run_denoiser(self, x: torch.Tensor, t: torch.Tensor, rows: torch.Tensor | None) -> Any:
         """The denoiser's raw output for stacked inputs ``x`` at per-row timesteps ``t``."""
+
+    def blocks(self) -> DiTBlocks | None:
+        """The denoiser cut at its first block, for the first-block cache (``None``: not cut)."""
+        return None
 
     @abc.abstractmethod
     def combine(self, output: torch.Tensor, guidance: float | None) -> torch.Tensor:
