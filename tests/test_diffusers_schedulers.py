@@ -128,6 +128,7 @@ def run_harness(
         params=request_params(pipe),
         max_examples=max_examples,
         steps=steps,
+        one_evaluation_per_step=type(pipe.scheduler).__name__ not in MORE_TIMESTEPS_THAN_STEPS,
     )
 
 
