@@ -25,6 +25,7 @@ class DiTFamily(Family):
 
     pipeline_classes = ("DiTPipeline",)
     applies_noise_sigma = False
+    takes_guidance = True
 
     @classmethod
     def refusal(cls, pipe: Any) -> str | None:
