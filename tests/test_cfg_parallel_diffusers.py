@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import pytest
 from test_cfg_parallel import core_pair, drain, run_both
 
@@ -73,7 +74,10 @@ def dit_request(saved: dict[str, str]) -> Iterator[tuple[EngineCore, EngineCore]
 
 @pytest.fixture(scope="module")
 def dit_step(saved: dict[str, str]) -> Iterator[tuple[EngineCore, EngineCore]]:
-    yield from diffusers_pair(saved["dit"], execution_mode="step", max_num_seqs=3)
+    yield from diffusers_pair(
+        saved["dit"], execution_mode="step", max_num_seqs=3, scheduling_policy="priority",
+        preempted_offload_bytes=64 * 2**10,  # preempted states resume from host memory
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +126,28 @@ def test_dit_step_mode_is_bit_identical_to_one_rank(
     dit_step: tuple[EngineCore, EngineCore], mix: str
 ) -> None:
     finals = run_both(dit_step, submit(MIXES[mix], [0, 1]))
+    assert all(out.ok for out in finals.values())
+
+
+def test_preempted_dit_requests_resume_bit_identical_to_one_rank(
+    dit_step: tuple[EngineCore, EngineCore],
+) -> None:
+    low = SamplingParams(num_inference_steps=6, priority=5, guidance_scale=2.0)
+
+    def script(core: EngineCore) -> dict[str, RequestOutput]:
+        before = core.scheduler.num_preemptions
+        core.add_request("low-guided", 0, low, seed=7)
+        core.add_request("low-plain", 1, SamplingParams(num_inference_steps=6, priority=5), 8)
+        core.add_request("low-pair", 1, attrs.evolve(low, num_outputs_per_prompt=2), 9)
+        finals = {o.request_id: o for _ in range(2) for o in core.step().outputs if o.finished}
+        core.add_request("high", 0, SamplingParams(num_inference_steps=2, guidance_scale=4.0), 1)
+        core.add_request("high-2", 1, SamplingParams(num_inference_steps=2), 2)
+        core.step()
+        assert core.scheduler.num_preemptions > before
+        assert core.snapshot().runner_offloaded_ids, "a preempted state waits in host memory"
+        return {**finals, **drain(core)}
+
+    finals = run_both(dit_step, script)
     assert all(out.ok for out in finals.values())
 
 
