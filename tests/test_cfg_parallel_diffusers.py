@@ -13,9 +13,10 @@ from typing import Any
 
 import attrs
 import pytest
+from lora_adapters import write_peft_adapter
 from test_cfg_parallel import core_pair, drain, run_both
 
-from diffusion_runtime import EngineConfig, SamplingParams
+from diffusion_runtime import EngineConfig, LoRARequest, SamplingParams
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.outputs import RequestOutput
@@ -43,12 +44,16 @@ class ClassLabelProbe:
 
 @pytest.fixture(scope="module")
 def saved(models: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The tiny pipelines saved where the workers load them."""
+    """The tiny pipelines saved where the workers load them, and a LoRA adapter of SD's."""
+    pytest.importorskip("peft")
     root = tmp_path_factory.mktemp("cfg-diffusers")
     paths = {"dit": root / "dit", "sd": root / "sd"}
     models.dit_pipeline().save_pretrained(paths["dit"])
     (root / "tokenizer").mkdir()
-    models.stable_diffusion_pipeline(root / "tokenizer").save_pretrained(paths["sd"])
+    sd = models.stable_diffusion_pipeline(root / "tokenizer")
+    sd.save_pretrained(paths["sd"])
+    targets = ["to_q", "to_v", "conv1"]
+    paths["adapter"] = write_peft_adapter(sd, root / "adapter", targets, rank=2, alpha=4, seed=1)
     return {name: str(path) for name, path in paths.items()}
 
 
@@ -82,7 +87,7 @@ def dit_step(saved: dict[str, str]) -> Iterator[tuple[EngineCore, EngineCore]]:
 
 @pytest.fixture(scope="module")
 def sd_step(saved: dict[str, str]) -> Iterator[tuple[EngineCore, EngineCore]]:
-    yield from diffusers_pair(saved["sd"], execution_mode="step", max_num_seqs=3)
+    yield from diffusers_pair(saved["sd"], execution_mode="step", max_num_seqs=3, max_loras=1)
 
 
 GUIDED = SamplingParams(num_inference_steps=3, guidance_scale=3.0)
@@ -151,12 +156,13 @@ def test_preempted_dit_requests_resume_bit_identical_to_one_rank(
     assert all(out.ok for out in finals.values())
 
 
-def test_stable_diffusion_step_mode_is_bit_identical_to_one_rank(
-    sd_step: tuple[EngineCore, EngineCore],
+def test_stable_diffusion_step_mode_with_an_adapter_is_bit_identical_to_one_rank(
+    sd_step: tuple[EngineCore, EngineCore], saved: dict[str, str]
 ) -> None:
-    finals = run_both(
-        sd_step, submit(MIXES["mixed"], ["a cat", {"prompt": "b", "negative_prompt": "c"}])
-    )
+    style = LoRARequest("style", 1, saved["adapter"])
+    mixed = [attrs.evolve(GUIDED, lora=style), PLAIN, GUIDED_PAIR, attrs.evolve(PLAIN, lora=style)]
+    prompts = ["a cat", {"prompt": "b", "negative_prompt": "c"}]
+    finals = run_both(sd_step, submit(mixed, prompts))
     assert all(out.ok for out in finals.values())
 
 
