@@ -134,6 +134,27 @@ def test_dit_step_mode_is_bit_identical_to_one_rank(
     assert all(out.ok for out in finals.values())
 
 
+#: Step caches decided per request (docs/caching.md): every rank runs every row of a
+#: step in which a request caches, and makes the same decisions.
+#: (Both backends skip a third to a half of 12 steps at this threshold, docs/caching.md.)
+CACHE = {"rel_l1_thresh": 0.3, "warmup_steps": 1}
+CACHED = [
+    SamplingParams(
+        num_inference_steps=12, guidance_scale=3.0, cache={**CACHE, "backend": "tea_cache"}
+    ),
+    SamplingParams(num_inference_steps=12, cache={**CACHE, "backend": "first_block"}),
+    GUIDED_PAIR,
+]
+
+
+def test_dit_step_caches_under_cfg_parallel_are_bit_identical_to_one_rank(
+    dit_step: tuple[EngineCore, EngineCore],
+) -> None:
+    finals = run_both(dit_step, submit(CACHED, [0, 1]))
+    assert all(out.ok for out in finals.values())
+    assert sum(out.metrics.cached_steps for out in finals.values()) > 0
+
+
 def test_preempted_dit_requests_resume_bit_identical_to_one_rank(
     dit_step: tuple[EngineCore, EngineCore],
 ) -> None:

@@ -60,6 +60,10 @@ OUTPUTS_EXAMPLES = 60
 OUTPUTS_FRONT_EXAMPLES = 100
 #: Examples for each passing run of the cache target (digits, about 0.5-1 s each).
 CACHE_EXAMPLES = 40
+#: The cache-dit target's passing run (a tiny DiT, about 1-2 s each).
+CACHE_DIT_EXAMPLES = 12
+#: The cache-mp target's passing run (a worker group per example).
+CACHE_MP_EXAMPLES = 10
 
 FAST_SUBSET = {
     "cache-decided-over-batch",
@@ -389,6 +393,24 @@ def test_the_real_runtime_passes_with_a_step_cache_and_reaches_every_path(mode: 
     if mode == "step":
         required.update(REQUIRED_REACH["cache-step"])
     passes_and_reaches(cache_harness(mode), CACHE_EXAMPLES, required)
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_the_first_block_cache_on_a_dit_passes_and_reaches_every_path(mode: str) -> None:
+    """The cache-dit target: requests whose first-block cache skipped later blocks
+    (batched, and in step mode preempted and offloaded) equal the oracle's."""
+    pytest.importorskip("diffusers")
+    required = {"path: a request reused cached model outputs as the oracle": 10}
+    if mode == "step":
+        required["path: a preempted request reused cached outputs"] = 1
+    passes_and_reaches(harness_for("cache-dit", mode), CACHE_DIT_EXAMPLES, required)
+
+
+@pytest.mark.slow
+def test_the_step_cache_over_mp_workers_passes_and_reaches_every_path() -> None:
+    """The cache-mp target (slow: a worker group per example)."""
+    required = {"path: a request reused cached model outputs as the oracle": 10}
+    passes_and_reaches(harness_for("cache-mp", "step"), CACHE_MP_EXAMPLES, required)
 
 
 def test_the_real_runtime_passes_with_preemption_and_reaches_every_path() -> None:

@@ -13,6 +13,10 @@ classifier.
 
 Then a step-mode engine runs a mixed batch in which half the requests cache
 (at ``mixed_thresh``) against the same requests all uncached.
+
+Last, with ``dit_requests`` above 0, both backends on a tiny DiT with PSNR
+against uncached as quality (:mod:`.cache_dit`, which needs the ``diffusers``
+extra).
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def _best_seconds(
 
 def _run(
     engine: DiffusionEngine,
-    prompts: list[str],
+    prompts: list[Any],
     params: list[SamplingParams],
     keep: dict[str, list[RequestOutput]],
     name: str,
@@ -95,6 +99,8 @@ def run(
     rounds: int = 3,
     thresholds: Sequence[float] = THRESHOLDS,
     mixed_thresh: float = 0.3,
+    dit_requests: int = 16,
+    dit_steps: int = 25,
 ) -> dict[str, Any]:
     prompts = [str(i % 10) for i in range(requests)]
     labels = torch.tensor([i % 10 for i in range(requests)])
@@ -130,7 +136,17 @@ def run(
         "steps": steps,
         "curve": curve,
         "mixed_step_batch": _mixed(prompts, steps, rounds, mixed_thresh),
+        "dit": _dit(dit_requests, dit_steps, rounds),
     }
+
+
+def _dit(requests: int, steps: int, rounds: int) -> dict[str, Any] | None:
+    """Both backends on the tiny DiT, or ``None`` when ``requests`` is 0."""
+    if requests == 0:
+        return None
+    from diffusion_runtime.bench.cache_dit import run_dit  # it imports this module's helpers
+
+    return run_dit(requests=requests, steps=steps, rounds=rounds)
 
 
 def _mixed(prompts: list[str], steps: int, rounds: int, thresh: float) -> dict[str, Any]:

@@ -32,8 +32,9 @@ from diffusion_runtime.pipelines.diffusers import DiffusersPipeline
 from diffusion_runtime.sampling_params import SamplingParams
 
 
-def tiny_dit(latent_size: int = 16, seed: int = 0) -> Any:
-    """A random-weight ``DiTPipeline``: 2 layers, 2 heads of 16, patch 2, a 2-block VAE."""
+def tiny_dit(latent_size: int = 16, seed: int = 0, num_layers: int = 2) -> Any:
+    """A random-weight ``DiTPipeline``: 2 layers (by default), 2 heads of 16, patch 2,
+    a 2-block VAE."""
     diffusers = importlib.import_module("diffusers")
     torch.manual_seed(seed)
     transformer = diffusers.DiTTransformer2DModel(
@@ -41,7 +42,7 @@ def tiny_dit(latent_size: int = 16, seed: int = 0) -> Any:
         attention_head_dim=16,
         in_channels=4,
         out_channels=8,
-        num_layers=2,
+        num_layers=num_layers,
         sample_size=latent_size,
         patch_size=2,
         norm_num_groups=4,

@@ -8,9 +8,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import torch
 
-from diffusion_runtime.contracts import WaveCosts
+from diffusion_runtime.contracts import RunnerOutput, WaveCosts
+from diffusion_runtime.pipelines.diffusers import cached_denoiser
 from diffusion_runtime.pipelines.digits import pipeline as digits_pipeline
 from diffusion_runtime.pipelines.protocols import StepRequestState
 from diffusion_runtime.testing.mutation import Mutation, Patch
@@ -66,7 +68,37 @@ def skipped_step_charged_to_the_model() -> Patch:
     return replace_attribute(WaveCosts, "count_steps", make)
 
 
-#: Run by the ``cache`` target: the core over the digits pipeline with a step cache.
+def first_block_decided_over_the_batch() -> Patch:
+    def make(original: Any) -> Any:
+        def skips(residuals: Sequence[tuple[StepRequestState, torch.Tensor]]) -> list[bool]:
+            # "one decision per step: the batch's requests move together"
+            decided: list[bool] = original(residuals[:1])
+            lead = bool(decided and decided[0])
+            for state, residual in residuals[1:]:
+                kept = state.step_cache.later_residual
+                decided.append(lead and kept is not None and kept.shape == residual.shape)
+            return decided
+
+        return skips
+
+    return replace_attribute(cached_denoiser, "first_block_skips", make)
+
+
+def step_counts_lost_crossing_processes() -> Patch:
+    def make(original: Any) -> Any:
+        def with_tensors(self: RunnerOutput, fields: Any) -> RunnerOutput:
+            result: RunnerOutput = original(self, fields)
+            if result.costs is None:
+                return result
+            # "the copy keeps the wave's times; the step counts are the worker's business"
+            return attrs.evolve(result, costs=attrs.evolve(result.costs, steps={}))
+
+        return with_tensors
+
+    return replace_attribute(RunnerOutput, "with_tensors", make)
+
+
+#: Run by the ``cache`` targets: the core over digits (or a tiny DiT) with a step cache.
 CACHE_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="cache-decided-over-batch",
@@ -81,6 +113,21 @@ CACHE_MUTATIONS: tuple[Mutation, ...] = (
         target="cache",
         bug="a request that skips a step reuses a batch mate's cached model output",
         patch=reuses_a_batch_mates_prediction,
+    ),
+    Mutation(
+        name="cache-first-block-decided-over-batch",
+        mode="step",
+        target="cache-dit",
+        bug="the first-block cache decides once for the whole batch, from its first request",
+        patch=first_block_decided_over_the_batch,
+    ),
+    Mutation(
+        name="cache-counts-lost-across-processes",
+        mode="step",
+        target="cache-mp",
+        bug="a wave's model evaluations and cached steps are dropped when its output "
+        "comes back from the mp workers",
+        patch=step_counts_lost_crossing_processes,
     ),
     Mutation(
         name="cache-skip-charged-as-evaluation",

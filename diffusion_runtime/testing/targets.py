@@ -8,9 +8,11 @@ target in another configuration.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine
 
@@ -33,6 +35,7 @@ from diffusion_runtime.testing.strategies import sampling_params
 
 PROMPTS = st.sampled_from(["cat", "dog", 7])
 DIGIT_PROMPTS = st.sampled_from([3, "7", 0])
+DIT_PROMPTS = st.sampled_from([3, 7, 0])
 #: Prompts ``testing-faults`` fails on: in the forward, by a missing result, in a step.
 FAILING_PROMPTS = st.sampled_from(["fail", "missing", "bad-step"])
 #: RPC timeouts: on mp a microsecond is too short for any reply (the late one must be dropped).
@@ -217,16 +220,17 @@ def lora_config(mode: str) -> EngineConfig:
     )
 
 
-def cache_harness(mode: str) -> type[CoreLifecycleMachine]:
-    """The core harness over the digits pipeline with a step cache (TeaCache), the
-    cache settings drawn per request: in step mode under the preemptive priority
-    policy with host offload, so cached outputs resume mid-way; in request mode
-    in batched waves. At least three steps, so that a step between the first and
-    the last can reuse an output."""
+def cache_harness(mode: str, backend: str = "uni", dit: bool = False) -> type[CoreLifecycleMachine]:
+    """The core harness over ``backend`` and the digits pipeline with a step cache
+    (TeaCache), or with ``dit`` over a tiny diffusers DiT with the first-block
+    cache, the cache settings drawn per request: in step mode under the preemptive
+    priority policy with host offload, so cached outputs resume mid-way; in
+    request mode in batched waves. At least three steps, so that a step between
+    the first and the last can reuse an output."""
     step = mode == "step"
     return core_lifecycle_machine(
-        lambda: cache_config(mode),
-        prompts=DIGIT_PROMPTS,
+        lambda: cache_dit_config(mode) if dit else cache_config(mode, backend),
+        prompts=DIT_PROMPTS if dit else DIGIT_PROMPTS,
         params=sampling_params(
             steps=(3, 8),
             outputs=(1, 2),
@@ -238,7 +242,7 @@ def cache_harness(mode: str) -> type[CoreLifecycleMachine]:
     )
 
 
-def cache_config(mode: str) -> EngineConfig:
+def cache_config(mode: str, backend: str = "uni") -> EngineConfig:
     """The cache target's engine config: digits with TeaCache at 0.3, one thread."""
     step = mode == "step"
     return EngineConfig(
@@ -246,6 +250,7 @@ def cache_config(mode: str) -> EngineConfig:
         device="cpu",
         max_num_seqs=3,
         execution_mode=mode,
+        executor_backend=backend,
         streaming_output=step,
         preview_interval=1,
         scheduling_policy="priority" if step else "fifo",
@@ -255,6 +260,30 @@ def cache_config(mode: str) -> EngineConfig:
         warmup=False,
         intra_op_threads=1,
     )
+
+
+def cache_dit_config(mode: str) -> EngineConfig:
+    """The ``cache-dit`` target's engine config: a tiny diffusers DiT (built once per
+    process) in fixed chunks of 4 rows, with the first-block cache at 0.3."""
+    return attrs.evolve(
+        cache_config(mode),
+        pipeline=_tiny_dit_adapter,
+        cache_backend="first_block",
+    )
+
+
+def _tiny_dit_adapter(device: Any) -> Any:
+    from diffusion_runtime.pipelines.diffusers import DiffusersPipeline
+
+    return DiffusersPipeline(_tiny_dit(), device, rows_per_call=4)
+
+
+@functools.cache
+def _tiny_dit() -> Any:
+    """The random-weight DiT, built once per process (its weights never change)."""
+    from diffusion_runtime.bench.dit import tiny_dit
+
+    return tiny_dit(latent_size=8)
 
 
 def cfg_parallel_config(mode: str) -> EngineConfig:
@@ -366,6 +395,8 @@ def lockstep_harness(mode: str) -> type[EngineLifecycleMachine]:
 #: with the progress outputs), ``outputs-front`` and ``outputs-stage`` (the front
 #: and stage targets with output options drawn), ``cache`` (an EngineCore over the
 #: digits pipeline with a step cache, cache settings drawn per request),
+#: ``cache-mp`` (the same over the mp executor), ``cache-dit`` (the same over a
+#: tiny diffusers DiT with the first-block cache),
 #: ``cfg-parallel`` (an EngineCore over two mp ranks that split guidance, against
 #: the degree-1 oracle).
 #: The preemptive and deadline targets
@@ -391,6 +422,8 @@ HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "cfg-parallel": cfg_parallel_harness,
     "outputs-stage": lambda mode: front_outputs_harness(mode, "stage"),
     "cache": cache_harness,
+    "cache-mp": lambda mode: cache_harness(mode, "mp"),
+    "cache-dit": lambda mode: cache_harness(mode, dit=True),
 }
 
 

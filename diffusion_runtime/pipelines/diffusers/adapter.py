@@ -11,6 +11,10 @@ import torch
 
 from diffusion_runtime.errors import InvalidFieldError, PipelineContractError
 from diffusion_runtime.lora_request import LoRARequest
+from diffusion_runtime.pipelines.diffusers.cached_denoiser import (
+    cached_denoiser_output,
+    step_cache_for,
+)
 from diffusion_runtime.pipelines.diffusers.family import Family
 from diffusion_runtime.pipelines.diffusers.log_probs import StepDensities, step_densities
 from diffusion_runtime.pipelines.diffusers.peft_adapters import PeftAdapters
@@ -76,9 +80,15 @@ class DiffusersPipeline:
     ``enable_lora`` serves LoRA adapters through diffusers' own LoRA loading
     (peft), each row of a step with its own adapter (``docs/lora.md``).
 
+    A family's :attr:`cache_backends` (the DiT: ``tea_cache`` and ``first_block``)
+    are decided per request inside each step (:mod:`.cached_denoiser`,
+    ``docs/caching.md``).
+
     The families that take guidance (DiT, Stable Diffusion) split each
     denoiser call between CFG-parallel ranks (``enable_parallel``); with
-    ``rows_per_call`` their images are bit-identical to one rank's.
+    ``rows_per_call`` their images are bit-identical to one rank's. A step
+    in which a request caches runs every row on every rank (all ranks make
+    the same cache decisions), unsplit.
     """
 
     supports_request_batch = True
@@ -123,6 +133,11 @@ class DiffusersPipeline:
         self.stacks_scheduler_steps = steps_stack_exactly(
             self._scheduler_template, self.family.min_inference_steps
         )
+
+    @property
+    def cache_backends(self) -> frozenset[str]:
+        """The step caches the wrapped pipeline's family serves (``docs/caching.md``)."""
+        return self.family.cache_backends
 
     @functools.cached_property
     def step_densities(self) -> StepDensities:
@@ -198,6 +213,7 @@ class DiffusersPipeline:
             timesteps=list(scheduler.timesteps),
             scheduler=scheduler,
             conditioning=encoded,
+            step_cache=step_cache_for(request.cache),
         )
 
     @torch.no_grad()
@@ -283,9 +299,20 @@ class DiffusersPipeline:
         if "rows" not in cache:
             cache["rows"] = _cat_or_none([group.rows for group in groups])
             cache["loras"] = _row_loras(groups) if self._adapters is not None else None
-        output = self._split_denoiser(
-            groups, _cat_one(inputs), _cat_one(times), cache["rows"], cache["loras"]
-        )
+        x_all = inputs[0] if len(groups) == 1 else torch.cat(inputs)
+        t_all = times[0] if len(groups) == 1 else torch.cat(times)
+        if any(state.step_cache is not None for group in groups for state in group.states):
+            output = cached_denoiser_output(
+                groups,
+                x_all,
+                t_all,
+                cache["rows"],
+                family.run_denoiser,
+                family.blocks(),
+                self._in_chunks,
+            )
+        else:
+            output = self._split_denoiser(groups, x_all, t_all, cache["rows"], cache["loras"])
         if len(groups) == 1:
             return [family.combine(output, groups[0].guidance)]
         parts = torch.split(output, [len(x) for x in inputs])
@@ -408,11 +435,6 @@ def _row_loras(groups: Sequence[StepGroup]) -> list[LoRARequest | None]:
         once = [s.request.params.lora for s in group.states for _ in range(len(s.latents))]
         loras += once * (2 if group.guidance is not None else 1)
     return loras
-
-
-def _cat_one(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``parts`` as one tensor (the part itself when there is one)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _cat_or_none(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from diffusion_runtime.pipelines.diffusers.dit_blocks import DiTBlocks
 from diffusion_runtime.pipelines.diffusers.family import Encoded, Family, draw_latents, step_kwargs
 from diffusion_runtime.pipelines.protocols import PipelineRequest, Prompt
 
@@ -26,6 +27,7 @@ class DiTFamily(Family):
     pipeline_classes = ("DiTPipeline",)
     applies_noise_sigma = False
     takes_guidance = True
+    cache_backends = frozenset({"tea_cache", "first_block"})
 
     @classmethod
     def refusal(cls, pipe: Any) -> str | None:
@@ -81,6 +83,9 @@ class DiTFamily(Family):
 
     def run_denoiser(self, x: torch.Tensor, t: torch.Tensor, rows: torch.Tensor | None) -> Any:
         return self.pipe.transformer(x, timestep=t, class_labels=rows).sample
+
+    def blocks(self) -> DiTBlocks:
+        return DiTBlocks(self.pipe.transformer)
 
     def combine(self, output: torch.Tensor, guidance: float | None) -> torch.Tensor:
         if guidance is not None:

@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from diffusion_runtime.errors import InvalidFieldError
+from diffusion_runtime.pipelines.diffusers.dit_blocks import DiTBlocks
 from diffusion_runtime.pipelines.diffusers.scheduler_steps import minimum_inference_steps
 from diffusion_runtime.pipelines.protocols import PipelineRequest, Prompt
 from diffusion_runtime.sampling_params import SamplingParams
@@ -60,6 +61,8 @@ class Family(abc.ABC):
     #: Whether guidance above 1 stacks two branches whose rows ranks can split
     #: (``cfg_parallel_size``, ``docs/parallelism.md``).
     takes_guidance: ClassVar[bool] = False
+    #: The step caches this family serves (``docs/caching.md``).
+    cache_backends: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def refusal(cls, pipe: Any) -> str | None:
@@ -108,6 +111,10 @@ class Family(abc.ABC):
         """The denoiser's output for none of the rows of ``x``: ``(0, out_channels, h, w)``."""
         denoiser = getattr(self.pipe, "transformer", None) or self.pipe.unet
         return x.new_empty((0, int(denoiser.config.out_channels), *x.shape[2:]))
+
+    def blocks(self) -> DiTBlocks | None:
+        """The denoiser cut at its first block, for the first-block cache (``None``: not cut)."""
+        return None
 
     @abc.abstractmethod
     def combine(self, output: torch.Tensor, guidance: float | None) -> torch.Tensor:
