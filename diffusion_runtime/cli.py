@@ -400,6 +400,7 @@ BENCHMARKS = {
     "lora": "diffusion_runtime.bench.lora:run",
     "sleep": "diffusion_runtime.bench.sleep:run",
     "rl": "diffusion_runtime.bench.rl:run",
+    "parallel": "diffusion_runtime.bench.parallel:run",
 }
 
 #: ``bench slo --family``: every policy on a family of generated traces.

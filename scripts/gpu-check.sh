@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: the suite on CUDA, then the GPU and sleep benchmarks, in under 9 minutes.
+# The GPU check: the suite on CUDA, then the GPU, sleep and parallel benchmarks, in under 10 minutes.
 #
 # For a machine with CUDA torch (Python 3.12) and no package registry. Prepare
 # the wheelhouse first, on a machine with a registry (see docs/gpu.md):
@@ -15,9 +15,11 @@
 # and the stateful harness again with the thorough profile; (b) the GPU
 # benchmark (`diffusion-runtime bench gpu`); (c) the sleep benchmark on CUDA
 # (`bench sleep`: device memory before the engine, loaded and asleep, at both
-# levels); (d) a summary. Under $OUT: gpu-check.log (everything printed),
+# levels); (d) the parallel benchmark (`bench parallel`: one rank against
+# CFG-parallel ranks, skipped with its reason under two devices); (e) a summary. Under $OUT: gpu-check.log (everything printed),
 # summary.json (each phase's exit status and seconds, the benchmark's headline
-# ratios, the sleep memory figures), bench-gpu.json, bench-sleep.json, suite.xml
+# ratios, the sleep memory figures, the parallel table), bench-gpu.json,
+# bench-sleep.json, bench-parallel.json, suite.xml
 # and stateful.xml (JUnit), nvidia-smi.txt. The exit status is 0 only if every
 # phase passed and a level-2 sleep left the device within 5% of the weights above
 # the pre-load baseline.
@@ -71,8 +73,12 @@ sleep_to_json() {
 print(json.dumps(run(rounds=3, device="cuda"), indent=2))' >"$out/bench-sleep.json"
 }
 
+parallel_to_json() {
+    "$python" -m diffusion_runtime.cli bench parallel --rounds 2 >"$out/bench-parallel.json"
+}
+
 export python site wheels out
-export -f install_wheels bench_to_json sleep_to_json
+export -f install_wheels bench_to_json sleep_to_json parallel_to_json
 
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed (see nvidia-smi.txt)"
 if phase install 60 bash -c install_wheels; then
@@ -84,6 +90,7 @@ if phase install 60 bash -c install_wheels; then
         tests/test_engine_stateful.py
     phase bench 110 bash -c bench_to_json
     phase sleep 60 bash -c sleep_to_json
+    phase parallel 60 bash -c parallel_to_json
 fi
 
 printf '%s\n' "${phases[@]}" | "$python" -c '
@@ -96,7 +103,7 @@ for line in sys.stdin.read().split("\n"):
         phases[name] = {"exit": int(status), "seconds": int(seconds),
                         "timed_out": status in ("124", "137")}
 summary = {"phases": phases, "total_seconds": now - started,
-           "passed": len(phases) == 5 and all(p["exit"] == 0 for p in phases.values())}
+           "passed": len(phases) == 6 and all(p["exit"] == 0 for p in phases.values())}
 try:
     bench = json.load(open(f"{out}/bench-gpu.json"))
     summary["device"] = bench["device"]
@@ -115,6 +122,13 @@ try:
 except (OSError, ValueError, KeyError) as exc:
     summary["sleep_error"] = repr(exc)
     summary["passed"] = False
+try:
+    parallel = json.load(open(f"{out}/bench-parallel.json"))
+    summary["parallel"] = parallel.get("skipped") or {
+        name: {k: v for k, v in row.items() if k.startswith("cfg_2_over")}
+        for name, row in parallel["workloads"].items()}
+except (OSError, ValueError, KeyError) as exc:
+    summary["parallel_error"] = repr(exc)
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 print(json.dumps(summary, indent=2))
 sys.exit(0 if summary["passed"] else 1)

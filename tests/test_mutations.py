@@ -117,6 +117,7 @@ FAST_SUBSET = {
     "group-merge-drops-last-child",
     "streamed-parts-share-one-counter",
     "cfg-branches-swapped",
+    "cfg-padding-read-first",
 }
 
 #: Paths the catalogue depends on, and how often a passing run must reach each.

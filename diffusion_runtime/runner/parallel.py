@@ -13,7 +13,8 @@ from diffusion_runtime.pipelines.parallel import ParallelContext
 
 _RULES = {
     "cfg_parallel_size": "must be 1 for {name}: it declares no guidance branches to split "
-    "(parallel_degrees); the digits pipeline takes it",
+    "(parallel_degrees); the digits pipeline and the diffusers DiT and Stable Diffusion "
+    "families take it",
     "ulysses_degree": "must be 1 for {name}: sequence parallelism needs a pipeline that "
     "declares it in parallel_degrees, and no built-in pipeline does yet",
     "ring_degree": "must be 1 for {name}: sequence parallelism needs a pipeline that "

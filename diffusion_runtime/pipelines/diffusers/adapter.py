@@ -24,9 +24,10 @@ from diffusion_runtime.pipelines.diffusers.schedules import (
     schedules_taken,
     set_schedule,
 )
-from diffusion_runtime.pipelines.diffusers.step_groups import StepGroup, plan_groups
+from diffusion_runtime.pipelines.diffusers.step_groups import StepGroup, group_blocks, plan_groups
 from diffusion_runtime.pipelines.diffusers.step_probe import steps_stack_exactly
 from diffusion_runtime.pipelines.diffusers.support import family_for
+from diffusion_runtime.pipelines.parallel import ParallelContext
 from diffusion_runtime.pipelines.protocols import (
     PipelineRequest,
     Prompt,
@@ -82,6 +83,12 @@ class DiffusersPipeline:
     A family's :attr:`cache_backends` (the DiT: ``tea_cache`` and ``first_block``)
     are decided per request inside each step (:mod:`.cached_denoiser`,
     ``docs/caching.md``).
+
+    The families that take guidance (DiT, Stable Diffusion) split each
+    denoiser call between CFG-parallel ranks (``enable_parallel``); with
+    ``rows_per_call`` their images are bit-identical to one rank's. A step
+    in which a request caches runs every row on every rank (all ranks make
+    the same cache decisions), unsplit.
     """
 
     supports_request_batch = True
@@ -108,6 +115,12 @@ class DiffusersPipeline:
         self.rows_per_call = rows_per_call
         self._family: Family | None = family_cls(pipe.to(self.device), self.device)
         self._adapters: PeftAdapters | None = None
+        self._parallel: ParallelContext | None = None
+        #: The parallel degrees this pipeline takes (an instance attribute: it
+        #: depends on the family, and the runtime looks it up by name).
+        self.parallel_degrees = (
+            frozenset({"cfg_parallel_size"}) if family_cls.takes_guidance else frozenset()
+        )
         if source is not None:
             # An instance attribute: the runtime looks the optional member up by name.
             self.reload_weights = lambda: self._reload(source)
@@ -156,6 +169,10 @@ class DiffusersPipeline:
             raise RuntimeError("adapters are already enabled on this pipeline")
         self._adapters = PeftAdapters(lambda: self.family.pipe, max_rank)
         return self._adapters
+
+    def enable_parallel(self, context: ParallelContext) -> None:
+        """Share each denoiser call with the other CFG ranks (``docs/parallelism.md``)."""
+        self._parallel = context
 
     # -- request mode ------------------------------------------------------------------
 
@@ -295,13 +312,42 @@ class DiffusersPipeline:
                 self._in_chunks,
             )
         else:
-            output = self._run_denoiser(x_all, t_all, cache["rows"], cache["loras"])
+            output = self._split_denoiser(groups, x_all, t_all, cache["rows"], cache["loras"])
         if len(groups) == 1:
             return [family.combine(output, groups[0].guidance)]
         parts = torch.split(output, [len(x) for x in inputs])
         return [
             family.combine(part, group.guidance) for group, part in zip(groups, parts, strict=True)
         ]
+
+    def _split_denoiser(
+        self,
+        groups: Sequence[StepGroup],
+        x: torch.Tensor,
+        t: torch.Tensor,
+        rows: torch.Tensor | None,
+        loras: list[LoRARequest | None] | None,
+    ) -> torch.Tensor:
+        """The denoiser's output for every row. With a parallel context each rank
+        computes the rows of its guidance branch (and its share of unguided
+        requests) and gathers the others'; in chunks of ``rows_per_call`` a row's
+        output does not depend on its batch mates, so every rank gets one rank's bits."""
+        parallel = self._parallel
+        if parallel is None:
+            return self._run_denoiser(x, t, rows, loras)
+
+        def compute(indices: list[int]) -> torch.Tensor:
+            if not indices:
+                return self.family.no_output(x)
+            index = torch.tensor(indices, device=x.device)
+            return self._run_denoiser(
+                x[index],
+                t[index],
+                None if rows is None else rows[index],
+                None if loras is None else [loras[i] for i in indices],
+            )
+
+        return parallel.run_rows(parallel.row_owners(group_blocks(groups)), compute)
 
     def _run_denoiser(
         self,

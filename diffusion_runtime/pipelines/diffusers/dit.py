@@ -26,6 +26,7 @@ class DiTFamily(Family):
 
     pipeline_classes = ("DiTPipeline",)
     applies_noise_sigma = False
+    takes_guidance = True
     cache_backends = frozenset({"tea_cache", "first_block"})
 
     @classmethod

@@ -58,6 +58,9 @@ class Family(abc.ABC):
     #: Whether ``decode`` treats each row on its own and ignores the generator, so that
     #: requests finishing together can be decoded by one call.
     decodes_rows_alone: ClassVar[bool] = True
+    #: Whether guidance above 1 stacks two branches whose rows ranks can split
+    #: (``cfg_parallel_size``, ``docs/parallelism.md``).
+    takes_guidance: ClassVar[bool] = False
     #: The step caches this family serves (``docs/caching.md``).
     cache_backends: ClassVar[frozenset[str]] = frozenset()
 
@@ -103,6 +106,11 @@ class Family(abc.ABC):
     @abc.abstractmethod
     def run_denoiser(self, x: torch.Tensor, t: torch.Tensor, rows: torch.Tensor | None) -> Any:
         """The denoiser's raw output for stacked inputs ``x`` at per-row timesteps ``t``."""
+
+    def no_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The denoiser's output for none of the rows of ``x``: ``(0, out_channels, h, w)``."""
+        denoiser = getattr(self.pipe, "transformer", None) or self.pipe.unet
+        return x.new_empty((0, int(denoiser.config.out_channels), *x.shape[2:]))
 
     def blocks(self) -> DiTBlocks | None:
         """The denoiser cut at its first block, for the first-block cache (``None``: not cut)."""

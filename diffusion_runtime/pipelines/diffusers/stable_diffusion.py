@@ -29,6 +29,7 @@ class StableDiffusionFamily(Family):
     timesteps_on_device = True
     decodes_rows_alone = False  # the VAE takes the request's generator; the safety checker runs
     accepts_eta = True
+    takes_guidance = True
 
     @classmethod
     def refusal(cls, pipe: Any) -> str | None:

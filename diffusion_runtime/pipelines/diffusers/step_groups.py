@@ -19,6 +19,7 @@ import torch
 
 from diffusion_runtime.pipelines.diffusers.family import Encoded
 from diffusion_runtime.pipelines.diffusers.step_probe import scalar_state
+from diffusion_runtime.pipelines.parallel import RowBlock
 from diffusion_runtime.pipelines.protocols import StepRequestState
 
 
@@ -72,6 +73,18 @@ class StepGroup:
             state.step_log_prob = log_prob_part
             state.step_index += 1
             vars(state.scheduler).update(counters)
+
+
+def group_blocks(groups: Sequence[StepGroup]) -> list[RowBlock]:
+    """The row blocks of the denoiser's stacked input: per guided group, its two
+    halves (the branches, in the family's order); an unguided group by request."""
+    blocks: list[RowBlock] = []
+    for group in groups:
+        if group.guidance is not None:
+            blocks += [(len(group.latents), 0), (len(group.latents), 1)]
+        else:
+            blocks += [(len(state.latents), None) for state in group.states]
+    return blocks
 
 
 def _split_or_nones(tensor: torch.Tensor | None, sizes: list[int]) -> Sequence[torch.Tensor | None]:
