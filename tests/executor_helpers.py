@@ -16,6 +16,8 @@ from typing import Any
 import attrs
 import torch
 
+from diffusion_runtime.core import EngineCore
+from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
 from diffusion_runtime.testing.pipelines import FaultInjectingPipeline, SeededNoisePipeline
 
@@ -38,6 +40,14 @@ class PreviewingNoise(SeededNoisePipeline):
 
     def preview(self, state: StepRequestState) -> torch.Tensor:
         return torch.sigmoid(state.latents)
+
+
+def drain(core: EngineCore) -> dict[str, RequestOutput]:
+    """Step ``core`` until it has nothing left; the final output of each request."""
+    finals = {}
+    while core.has_unfinished():
+        finals.update({o.request_id: o for o in core.step().outputs if o.finished})
+    return finals
 
 
 def run_in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from executor_helpers import drain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -84,13 +85,6 @@ def step_cores() -> Iterator[tuple[EngineCore, EngineCore]]:
         preempted_offload_bytes=16 * 2**10,  # preempted states resume from host memory
         max_loras=2,
     )
-
-
-def drain(core: EngineCore) -> dict[str, RequestOutput]:
-    finals = {}
-    while core.has_unfinished():
-        finals.update({o.request_id: o for o in core.step().outputs if o.finished})
-    return finals
 
 
 def run_both(cores: tuple[EngineCore, EngineCore], script: Script) -> dict[str, RequestOutput]:

@@ -13,8 +13,9 @@ from typing import Any
 
 import attrs
 import pytest
+from executor_helpers import drain
 from lora_adapters import write_peft_adapter
-from test_cfg_parallel import core_pair, drain, run_both
+from test_cfg_parallel import core_pair, run_both
 
 from diffusion_runtime import EngineConfig, LoRARequest, SamplingParams
 from diffusion_runtime.core import EngineCore

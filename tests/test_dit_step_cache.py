@@ -15,6 +15,7 @@ import attrs
 import pytest
 import torch
 from conftest import factory_of
+from executor_helpers import drain
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.core import EngineCore
@@ -66,13 +67,6 @@ def open_core(dit: Any, backend: str, **overrides: Any) -> Iterator[EngineCore]:
     finally:
         core.shutdown()
     assert core.auditor is not None and core.auditor.violations == []
-
-
-def drain(core: EngineCore) -> dict[str, RequestOutput]:
-    finals = {}
-    while core.has_unfinished():
-        finals.update({o.request_id: o for o in core.step().outputs if o.finished})
-    return finals
 
 
 def run(

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from executor_helpers import drain
 
 from diffusion_runtime import EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.fsm import RequestStatus
-from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.pipelines.protocols import PipelineRequest
 from diffusion_runtime.pipelines.registry import build_pipeline
 from diffusion_runtime.runner.state_offload import StateOffloader, map_state_tensors
@@ -67,13 +67,6 @@ def open_core(budget: int, device: str = "cpu", **config: Any) -> Iterator[Engin
     finally:
         core.shutdown()
     assert core.auditor is not None and core.auditor.violations == []
-
-
-def drain(core: EngineCore) -> dict[str, RequestOutput]:
-    finals = {}
-    while core.has_unfinished():
-        finals.update({o.request_id: o for o in core.step().outputs if o.finished})
-    return finals
 
 
 def offloaded_bytes(core: EngineCore) -> int | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from executor_helpers import drain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,13 +52,6 @@ def open_core(**config: Any) -> Iterator[EngineCore]:
         yield core
     finally:
         core.shutdown()
-
-
-def drain(core: EngineCore) -> dict[str, RequestOutput]:
-    finals = {}
-    while core.has_unfinished():
-        finals.update({o.request_id: o for o in core.step().outputs if o.finished})
-    return finals
 
 
 def steps(core: EngineCore, count: int) -> list[RequestOutput]:

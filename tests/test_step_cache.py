@@ -15,13 +15,13 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from executor_helpers import drain
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.fsm.events import RunnerEvent
 from diffusion_runtime.fsm.trace import read_trace
-from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.runner.worker import Worker
 from diffusion_runtime.serving.metrics import EngineMetrics
 from diffusion_runtime.testing.virtual_clock import VirtualClock
@@ -61,13 +61,6 @@ def open_core(clock: VirtualClock | None = None, **overrides: Any) -> Iterator[E
     finally:
         core.shutdown()
     assert core.auditor is not None and core.auditor.violations == []
-
-
-def drain(core: EngineCore) -> dict[str, RequestOutput]:
-    finals = {}
-    while core.has_unfinished():
-        finals.update({o.request_id: o for o in core.step().outputs if o.finished})
-    return finals
 
 
 def alone(
