@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from diffusion_runtime.bench.cache import _best_seconds, _counts, _run
-from diffusion_runtime.bench.dit import tiny_dit
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.pipelines.diffusers import DiffusersPipeline
+from diffusion_runtime.pipelines.diffusers.tiny import tiny_dit
 from diffusion_runtime.sampling_params import SamplingParams
 
 BACKENDS = ("tea_cache", "first_block")

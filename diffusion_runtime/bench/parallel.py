@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from diffusion_runtime.bench.dit import tiny_dit
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.outputs import RequestOutput
+from diffusion_runtime.pipelines.diffusers.tiny import tiny_dit
 from diffusion_runtime.sampling_params import SamplingParams
 
 #: The workloads measured: digits, then the DiT at each latent side (images twice that).

@@ -281,7 +281,7 @@ def _tiny_dit_adapter(device: Any) -> Any:
 @functools.cache
 def _tiny_dit() -> Any:
     """The random-weight DiT, built once per process (its weights never change)."""
-    from diffusion_runtime.bench.dit import tiny_dit
+    from diffusion_runtime.pipelines.diffusers.tiny import tiny_dit
 
     return tiny_dit(latent_size=8)
 
