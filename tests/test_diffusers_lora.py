@@ -308,7 +308,8 @@ def test_the_stage_loads_diffusers_adapters_and_serves_them_as_in_process(
     requests = [params(lora(files, 1), seed=3), params(None, seed=3), params(lora(files, 2), 4)]
 
     async def scenario() -> list[RequestOutput]:
-        client = StageClient(config)
+        # A clean exit, given time to make it on a loaded machine (5 s by default).
+        client = StageClient(config, shutdown_grace_s=30.0)
         await client.start()
         try:
             assert await client.add_lora(lora(files, 1)) is True

@@ -383,7 +383,8 @@ def test_the_stage_manages_adapters_and_carries_them_on_requests(tmp_path: Path)
     config = digits_config(execution_mode="step")
 
     async def scenario() -> list[RequestOutput]:
-        client = StageClient(config)
+        # A clean exit, given time to make it on a loaded machine (5 s by default).
+        client = StageClient(config, shutdown_grace_s=30.0)
         await client.start()
         try:
             assert await client.add_lora(lora) is True
