@@ -325,6 +325,32 @@ def test_cfg_parallel_actors_share_one_model_bit_identical_to_one_rank(
         assert got.ok and torch.equal(got.image_batch, want.image_batch)
 
 
+def test_step_caches_on_actors_skip_and_count_as_in_process(
+    ray_engine: Callable[..., DiffusionEngine],
+) -> None:
+    """Per-request TeaCache on two actors (docs/caching.md): the images, and the cached
+    steps and model evaluations each request reports, equal one process's."""
+    tea = {"backend": "tea_cache", "rel_l1_thresh": 0.3}
+    params = [
+        SamplingParams(num_inference_steps=10, guidance_scale=2.0, seed=1, cache=tea),
+        SamplingParams(num_inference_steps=8, num_outputs_per_prompt=2, seed=2, cache=tea),
+        SamplingParams(num_inference_steps=6, seed=3),
+    ]
+    prompts = ["3", "5", "8"]
+    config = {"pipeline": "digits", "execution_mode": "step", "max_num_seqs": 4}
+    with DiffusionEngine.make_engine(EngineConfig(device="cpu", **config)) as one:
+        expected = one.generate(prompts, params)
+    engine = ray_engine(worker_extensions=(), **config)
+    got = engine.generate(prompts, params)
+    for have, want in zip(got, expected, strict=True):
+        assert have.ok and torch.equal(have.image_batch, want.image_batch)
+        assert have.metrics is not None and want.metrics is not None
+        counts = (have.metrics.cached_steps, have.metrics.model_evaluations)
+        assert counts == (want.metrics.cached_steps, want.metrics.model_evaluations)
+    assert got[0].metrics is not None and got[0].metrics.cached_steps > 0
+    assert got[2].metrics is not None and got[2].metrics.cached_steps == 0
+
+
 def test_a_worker_that_cannot_start_releases_everything(two_nodes: Cluster) -> None:
     with pytest.raises(Exception, match="no_such_module"):
         RayExecutor(ray_config(pipeline="no_such_module:no-such-pipeline"))

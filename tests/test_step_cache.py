@@ -5,6 +5,7 @@ and the cached tensors gone with the request."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import weakref
@@ -24,6 +25,7 @@ from diffusion_runtime.fsm.events import RunnerEvent
 from diffusion_runtime.fsm.trace import read_trace
 from diffusion_runtime.runner.worker import Worker
 from diffusion_runtime.serving.metrics import EngineMetrics
+from diffusion_runtime.stage import StageClient
 from diffusion_runtime.testing.virtual_clock import VirtualClock
 
 S = RequestStatus
@@ -205,6 +207,27 @@ def test_the_mp_executor_gives_the_same_images(solo: list[torch.Tensor]) -> None
         outs = engine.generate([p for p, _ in MIX], [params for _, params in MIX])
     for out, image in zip(outs, solo, strict=True):
         assert torch.equal(out.image_batch, image), out.request_id
+
+
+def test_the_stage_serves_cached_steps_and_their_counts_as_in_process(
+    solo: list[torch.Tensor],
+) -> None:
+    """The cache settings cross the stage's socket with each request, and the counts
+    come back in its metrics."""
+
+    async def on_the_stage() -> list[Any]:
+        async with StageClient(engine_config(execution_mode="step")) as client:
+            return await client.generate([p for p, _ in MIX], [params for _, params in MIX])
+
+    with DiffusionEngine.make_engine(engine_config(execution_mode="step")) as engine:
+        expected = engine.generate([p for p, _ in MIX], [params for _, params in MIX])
+    outs = asyncio.run(on_the_stage())
+    for out, want, image in zip(outs, expected, solo, strict=True):
+        assert out.ok and torch.equal(out.image_batch, image), out.request_id
+        assert out.metrics is not None and want.metrics is not None
+        counts = (out.metrics.cached_steps, out.metrics.model_evaluations)
+        assert counts == (want.metrics.cached_steps, want.metrics.model_evaluations)
+    assert sum(out.metrics.cached_steps for out in outs) > 0
 
 
 # -- release -----------------------------------------------------------------------------
