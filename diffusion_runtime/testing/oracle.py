@@ -41,7 +41,8 @@ class DirectOracle:
     ``seed_free = True`` attribute) that its outputs do not depend on the seed.
     ``cache_backend`` and ``cache_config`` are the engine's step cache: each
     request runs with them overridden by its own ``SamplingParams.cache``, as
-    in the engine.
+    in the engine, except that a threshold of 0 runs uncached: the engine's
+    output must then equal the uncached one bit for bit.
     """
 
     def __init__(
@@ -184,6 +185,8 @@ class DirectOracle:
     ) -> Result:
         """``run`` one request through the pipeline, then have it forget the request."""
         cache = effective_cache(self.cache_backend, self.cache_config, params.cache)
+        if cache is not None and cache.rel_l1_thresh == 0.0:
+            cache = None  # a threshold of 0 never skips: held to the uncached run
         request = PipelineRequest(ORACLE_ID, prompt, params, seed, self.device, cache)
         try:
             with torch.inference_mode():
