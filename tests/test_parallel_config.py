@@ -55,7 +55,7 @@ def test_a_pipeline_refuses_the_degrees_it_does_not_declare() -> None:
     digits = DigitsPipeline("cpu")
     check_parallel_degrees(digits, EngineConfig(device="cpu", cfg_parallel_size=2))
     for field in ("ulysses_degree", "ring_degree"):
-        with pytest.raises(InvalidFieldError, match="no built-in pipeline does yet") as refused:
+        with pytest.raises(InvalidFieldError, match="declares no sequence split") as refused:
             check_parallel_degrees(digits, EngineConfig(device="cpu", **{field: 2}))
         assert refused.value.field == field
     noise = SeededNoisePipeline("cpu")

@@ -88,7 +88,9 @@ class DiffusersPipeline:
     denoiser call between CFG-parallel ranks (``enable_parallel``); with
     ``rows_per_call`` their images are bit-identical to one rank's. A step
     in which a request caches runs every row on every rank (all ranks make
-    the same cache decisions), unsplit.
+    the same cache decisions), unsplit. The DiT family also splits each row's
+    tokens between the ranks of a sequence group (``ulysses_degree``,
+    ``ring_degree``), within float rounding of one rank's output.
     """
 
     supports_request_batch = True
@@ -118,9 +120,9 @@ class DiffusersPipeline:
         self._parallel: ParallelContext | None = None
         #: The parallel degrees this pipeline takes (an instance attribute: it
         #: depends on the family, and the runtime looks it up by name).
-        self.parallel_degrees = (
-            frozenset({"cfg_parallel_size"}) if family_cls.takes_guidance else frozenset()
-        )
+        self.parallel_degrees = frozenset(
+            {"cfg_parallel_size"} if family_cls.takes_guidance else set()
+        ) | frozenset({"ulysses_degree", "ring_degree"} if family_cls.splits_sequence else set())
         if source is not None:
             # An instance attribute: the runtime looks the optional member up by name.
             self.reload_weights = lambda: self._reload(source)
@@ -171,7 +173,10 @@ class DiffusersPipeline:
         return self._adapters
 
     def enable_parallel(self, context: ParallelContext) -> None:
-        """Share each denoiser call with the other CFG ranks (``docs/parallelism.md``)."""
+        """Share each denoiser call with the other CFG ranks, and split its tokens
+        over the sequence group (``docs/parallelism.md``)."""
+        if context.sequence is not None:
+            self.family.enable_sequence(context.sequence)
         self._parallel = context
 
     # -- request mode ------------------------------------------------------------------
@@ -278,6 +283,8 @@ class DiffusersPipeline:
         family = self.family
         pipe = source()
         self._family = type(family)(pipe.to(self.device), self.device)
+        if self._parallel is not None and self._parallel.sequence is not None:
+            self._family.enable_sequence(self._parallel.sequence)
         if self._adapters is not None:  # the new pipeline gets the loaded adapters again
             self._adapters.reattach()
 
@@ -333,7 +340,7 @@ class DiffusersPipeline:
         requests) and gathers the others'; in chunks of ``rows_per_call`` a row's
         output does not depend on its batch mates, so every rank gets one rank's bits."""
         parallel = self._parallel
-        if parallel is None:
+        if parallel is None or parallel.cfg_size == 1:
             return self._run_denoiser(x, t, rows, loras)
 
         def compute(indices: list[int]) -> torch.Tensor:

@@ -6,8 +6,14 @@ from typing import Any
 
 import torch
 
+from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.pipelines.diffusers.dit_blocks import DiTBlocks
 from diffusion_runtime.pipelines.diffusers.family import Encoded, Family, draw_latents, step_kwargs
+from diffusion_runtime.pipelines.diffusers.sequence_parallel import (
+    SequenceParallelDiT,
+    sequence_refusal,
+)
+from diffusion_runtime.pipelines.parallel import SequenceContext
 from diffusion_runtime.pipelines.protocols import PipelineRequest, Prompt
 
 
@@ -27,6 +33,7 @@ class DiTFamily(Family):
     pipeline_classes = ("DiTPipeline",)
     applies_noise_sigma = False
     takes_guidance = True
+    splits_sequence = True
     cache_backends = frozenset({"tea_cache", "first_block"})
 
     @classmethod
@@ -46,6 +53,7 @@ class DiTFamily(Family):
         vae_scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
         self.latent_size = int(config.sample_size)
         self.image_side = self.latent_size * vae_scale
+        self._sequence: SequenceParallelDiT | None = None
 
     @property
     def native_size(self) -> tuple[int, int]:
@@ -81,7 +89,18 @@ class DiTFamily(Family):
         kwargs = step_kwargs(scheduler, generator=request.generator)
         return latents, Encoded(rows=labels, guidance=guidance, step_kwargs=kwargs)
 
+    def enable_sequence(self, context: SequenceContext) -> None:
+        refusal = sequence_refusal(self.pipe.transformer, context)
+        if refusal is not None:
+            field, rule = refusal
+            value = context.ring_size if field == "ring_degree" else context.ulysses_size
+            raise InvalidFieldError("EngineConfig", field, rule, value)
+        self._sequence = SequenceParallelDiT(self.pipe.transformer, context)
+
     def run_denoiser(self, x: torch.Tensor, t: torch.Tensor, rows: torch.Tensor | None) -> Any:
+        if self._sequence is not None:
+            assert rows is not None, "a DiT row always has a class label"
+            return self._sequence.forward(x, t, rows)
         return self.pipe.transformer(x, timestep=t, class_labels=rows).sample
 
     def blocks(self) -> DiTBlocks:

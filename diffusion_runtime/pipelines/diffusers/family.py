@@ -20,6 +20,7 @@ import torch
 from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.pipelines.diffusers.dit_blocks import DiTBlocks
 from diffusion_runtime.pipelines.diffusers.scheduler_steps import minimum_inference_steps
+from diffusion_runtime.pipelines.parallel import SequenceContext
 from diffusion_runtime.pipelines.protocols import PipelineRequest, Prompt
 from diffusion_runtime.sampling_params import SamplingParams
 
@@ -61,6 +62,9 @@ class Family(abc.ABC):
     #: Whether guidance above 1 stacks two branches whose rows ranks can split
     #: (``cfg_parallel_size``, ``docs/parallelism.md``).
     takes_guidance: ClassVar[bool] = False
+    #: Whether ranks can split each row's tokens (``ulysses_degree``, ``ring_degree``):
+    #: such a family implements :meth:`enable_sequence`.
+    splits_sequence: ClassVar[bool] = False
     #: The step caches this family serves (``docs/caching.md``).
     cache_backends: ClassVar[frozenset[str]] = frozenset()
 
@@ -111,6 +115,11 @@ class Family(abc.ABC):
         """The denoiser's output for none of the rows of ``x``: ``(0, out_channels, h, w)``."""
         denoiser = getattr(self.pipe, "transformer", None) or self.pipe.unet
         return x.new_empty((0, int(denoiser.config.out_channels), *x.shape[2:]))
+
+    def enable_sequence(self, context: SequenceContext) -> None:
+        """Split each denoiser call's tokens over ``context``'s ranks (families that
+        declare :attr:`splits_sequence`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not split sequences")
 
     def blocks(self) -> DiTBlocks | None:
         """The denoiser cut at its first block, for the first-block cache (``None``: not cut)."""
