@@ -125,7 +125,7 @@ except (OSError, ValueError, KeyError) as exc:
 try:
     parallel = json.load(open(f"{out}/bench-parallel.json"))
     summary["parallel"] = parallel.get("skipped") or {
-        name: {k: v for k, v in row.items() if k.startswith("cfg_2_over")}
+        name: {k: v for k, v in row.items() if "_2_over_" in k and not k.startswith("cpu")}
         for name, row in parallel["workloads"].items()}
 except (OSError, ValueError, KeyError) as exc:
     summary["parallel_error"] = repr(exc)

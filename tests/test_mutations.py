@@ -53,6 +53,9 @@ CATCH_EXAMPLES = 500
 #: Examples for each passing run of the cfg-parallel target (a worker group starts per
 #: example, about 16 s each on two cores).
 CFG_PARALLEL_EXAMPLES = 4
+#: Examples for each passing run of the ulysses and ring targets (a worker group of
+#: the DiT starts per example).
+SEQUENCE_PARALLEL_EXAMPLES = 4
 #: Examples for each passing run of the adapter target (digits, about 0.4 s each).
 LORA_EXAMPLES = 100
 #: The outputs target's passing run (each example's oracle steps every request alone).
@@ -457,6 +460,12 @@ def test_the_real_runtime_passes_on_mp() -> None:
 @pytest.mark.parametrize("mode", ["request", "step"])
 def test_the_real_runtime_passes_cfg_parallel_as_the_degree_1_oracle(mode: str) -> None:
     passes(harness_for("cfg-parallel", mode), CFG_PARALLEL_EXAMPLES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target,mode", [("ulysses", "step"), ("ring", "request")])
+def test_the_real_runtime_passes_the_sequence_split_within_rounding(target: str, mode: str) -> None:
+    passes(harness_for(target, mode), SEQUENCE_PARALLEL_EXAMPLES)
 
 
 @pytest.mark.slow

@@ -325,6 +325,25 @@ def test_cfg_parallel_actors_share_one_model_bit_identical_to_one_rank(
         assert got.ok and torch.equal(got.image_batch, want.image_batch)
 
 
+def test_ulysses_actors_split_the_dit_tokens_within_rounding_of_one_rank(
+    ray_engine: Callable[..., DiffusionEngine], models: Any, tmp_path: Path
+) -> None:
+    """Two actors on two nodes split every row's tokens of a DiT (all-to-all over
+    heads through their gloo group); every image is within rounding of one rank's."""
+    models.dit_pipeline().save_pretrained(tmp_path)
+    dit = {"pipeline": "diffusers", "pipeline_kwargs": {"path": str(tmp_path)}}
+    params = [
+        SamplingParams(num_inference_steps=3, guidance_scale=3.0, seed=1),
+        SamplingParams(num_inference_steps=2, num_outputs_per_prompt=2, seed=2),
+    ]
+    prompts = [3, 5]
+    with DiffusionEngine.make_engine(EngineConfig(**dit, device="cpu", warmup=False)) as one:
+        expected = one.generate(prompts, params)
+    engine = ray_engine(**dit, ulysses_degree=2, worker_extensions=())
+    for got, want in zip(engine.generate(prompts, params), expected, strict=True):
+        assert got.ok and (got.image_batch - want.image_batch).abs().max().item() <= 1e-5
+
+
 def test_step_caches_on_actors_skip_and_count_as_in_process(
     ray_engine: Callable[..., DiffusionEngine],
 ) -> None:

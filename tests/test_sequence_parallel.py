@@ -9,23 +9,27 @@ within float rounding (the largest difference is printed for the note).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from executor_helpers import drain
 
-from diffusion_runtime import EngineConfig, SamplingParams
+from diffusion_runtime import DiffusionEngine, EngineConfig, SamplingParams
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.errors import InvalidFieldError
+from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.pipelines.diffusers import DiffusersPipeline
 from diffusion_runtime.pipelines.diffusers.sequence_parallel import SequenceParallelDiT
 from diffusion_runtime.pipelines.parallel import ParallelContext, ParallelLayout, SequenceContext
 from diffusion_runtime.runner.parallel import check_parallel_degrees
+from diffusion_runtime.stage import StageClient
 
 #: The DiT's output for the same rows, split or whole, differs by float rounding only.
 TOLERANCE = 1e-5
@@ -312,3 +316,26 @@ def test_split_ranks_serve_what_one_rank_does_within_rounding(
         assert largest <= TOLERANCE
         seen = pair[0].executor.collective_rpc("take_tokens")
         assert seen == [[shard]] * len(seen) and len(seen) == pair[0].config.world_size
+
+
+def test_the_stage_serves_ring_split_images_within_rounding(dit_path: str) -> None:
+    """A stage process whose engine runs two ranks that pass keys and values round
+    a ring, in step mode: its images are within rounding of one rank's."""
+    config = EngineConfig(
+        pipeline="diffusers", pipeline_kwargs={"path": dit_path}, device="cpu",
+        warmup=False, execution_mode="step", intra_op_threads=1,
+    )  # fmt: skip
+    prompts = [3, 8]
+    params = [SamplingParams(num_inference_steps=3, guidance_scale=2.0, seed=i) for i in (1, 2)]
+
+    async def on_the_stage() -> list[RequestOutput]:
+        staged = attrs.evolve(config, ring_degree=2, num_workers=2, worker_start_timeout_s=120.0)
+        async with StageClient(staged) as client:
+            return await client.generate(prompts, params)
+
+    outputs = asyncio.run(on_the_stage())
+    with DiffusionEngine.make_engine(config) as one:
+        expected = one.generate(prompts, params)
+    for got, want in zip(outputs, expected, strict=True):
+        assert got.ok and want.ok, (got.error, want.error)
+        assert (got.image_batch - want.image_batch).abs().max().item() <= TOLERANCE

@@ -22,13 +22,12 @@ extra).
 from __future__ import annotations
 
 import functools
-import math
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from diffusion_runtime.bench.stats import best_wall_and_cpu
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.outputs import RequestOutput
@@ -56,23 +55,6 @@ def _engine(mode: str, size: int) -> DiffusionEngine:
         intra_op_threads=1,
     )
     return DiffusionEngine.make_engine(config)
-
-
-def _best_seconds(
-    ways: Mapping[str, Callable[[], object]], rounds: int
-) -> dict[str, tuple[float, float]]:
-    """Each way's best wall-clock and best CPU seconds (this process, all its
-    threads) over ``rounds`` interleaved rounds, after one untimed round."""
-    for way in ways.values():
-        way()
-    best = dict.fromkeys(ways, (math.inf, math.inf))
-    for _ in range(rounds):
-        for name, way in ways.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            way()
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-            best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
-    return best
 
 
 def _run(
@@ -114,7 +96,7 @@ def run(
             )
             for name, t in zip(names, settings, strict=True)
         }
-        seconds = _best_seconds(ways, rounds)
+        seconds = best_wall_and_cpu(ways, rounds)
     uncached_evals, _ = _counts(outputs["uncached"])
     curve = {}
     for name in names:
@@ -165,7 +147,7 @@ def _mixed(prompts: list[str], steps: int, rounds: int, thresh: float) -> dict[s
             ),
             "half_cached": functools.partial(_run, engine, prompts, mixed, outputs, "half_cached"),
         }
-        seconds = _best_seconds(ways, rounds)
+        seconds = best_wall_and_cpu(ways, rounds)
     evaluations, cached = _counts(outputs["half_cached"])
     return {
         "thresh": thresh,

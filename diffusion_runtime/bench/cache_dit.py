@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from diffusion_runtime.bench.cache import _best_seconds, _counts, _run
+from diffusion_runtime.bench.cache import _counts, _run
+from diffusion_runtime.bench.stats import best_wall_and_cpu
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.outputs import RequestOutput
@@ -66,7 +67,7 @@ def run_dit(
             )
             for name, cache in ways_settings.items()
         }
-        seconds = _best_seconds(ways, rounds)
+        seconds = best_wall_and_cpu(ways, rounds)
     reference = _images(outputs["uncached"])
     uncached_evals, _ = _counts(outputs["uncached"])
     curve = {}

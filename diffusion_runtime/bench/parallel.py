@@ -1,19 +1,20 @@
-"""CFG-parallel ranks against one rank on the same machine: images/s, their ratio, CPU seconds.
+"""Parallel ranks against one rank on the same machine: images/s, their ratio, CPU seconds.
 
 For each workload (digits with guidance; the tiny DiT of ``bench dit`` at two
 latent sizes, guided) the same requests, one image each with its own seed,
-are served as one request-mode wave by two engines side by side, timed in
+are served as one request-mode wave by engines side by side, timed in
 interleaved rounds (the best round kept): degree 1 (the in-process executor,
-torch on all ``threads``), degree 1 on ``threads // 2`` (what one rank of the
-pair gets) and ``cfg_parallel_size=2`` (two mp ranks in one process group,
-``threads // 2`` each). Per workload: each side's images/s, the parallel
-side's speed-up over each degree-1 side, the CPU seconds per image of the engine process and
-its workers (Linux ``/proc``; other load on a shared machine barely moves
-them), and the largest pixel difference between the two sides' images (0
-where rows are batch-invariant: digits always; the DiT runs without
-``rows_per_call``, each rank calling the transformer once on its half).
+torch on all ``threads``), degree 1 on ``threads // 2`` (what one rank of a
+pair gets), ``cfg_parallel_size=2`` and, on the DiT, ``ulysses_degree=2`` and
+``ring_degree=2`` (two mp ranks in one process group, ``threads // 2`` each).
+Per workload: each side's images/s, each parallel side's speed-up over each
+degree-1 side, the CPU seconds per image of the engine process and its
+workers (Linux ``/proc``; other load on a shared machine barely moves them),
+and the largest pixel difference between each parallel side's images and one
+rank's (0 where rows are batch-invariant: digits always; the DiT runs without
+``rows_per_call``, and its sequence split is within float rounding).
 
-On CUDA both sides get the device: degree 1 on ``cuda:0``, the ranks on
+On CUDA every side gets the device: degree 1 on ``cuda:0``, the ranks on
 ``cuda:0`` and ``cuda:1``; with fewer than two devices the table is skipped.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from diffusion_runtime.bench.stats import best_wall_and_cpu
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.engine import DiffusionEngine
 from diffusion_runtime.outputs import RequestOutput
@@ -38,6 +39,8 @@ from diffusion_runtime.sampling_params import SamplingParams
 #: The workloads measured: digits, then the DiT at each latent side (images twice that).
 WORKLOADS = ("digits", "dit-8", "dit-16")
 GUIDANCE = 4.0
+#: The parallel sides: each on two ranks, on every workload or the DiT only.
+SPLITS = {"cfg_2": "cfg_parallel_size", "ulysses_2": "ulysses_degree", "ring_2": "ring_degree"}
 
 
 def run(
@@ -60,7 +63,7 @@ def run(
     }
     if device == "cuda" and torch.cuda.device_count() < 2:
         visible = torch.cuda.device_count()
-        result["skipped"] = f"cfg_parallel_size=2 needs 2 CUDA devices; {visible} visible"
+        result["skipped"] = f"two ranks need 2 CUDA devices; {visible} visible"
         return result
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as root:
         result["workloads"] = {
@@ -96,10 +99,13 @@ def _compare(
     configs = {
         "one_rank": EngineConfig(**base, intra_op_threads=threads),
         "one_rank_half_threads": EngineConfig(**base, intra_op_threads=half),
-        "cfg_2": EngineConfig(
-            **base, cfg_parallel_size=2, intra_op_threads=half, worker_start_timeout_s=300.0
-        ),
     }
+    splits = ["cfg_2"] if digits else list(SPLITS)
+    for side in splits:
+        degree: dict[str, Any] = {SPLITS[side]: 2}
+        configs[side] = EngineConfig(
+            **base, **degree, intra_op_threads=half, worker_start_timeout_s=300.0
+        )
     with ExitStack() as stack:
         engines = {
             name: stack.enter_context(DiffusionEngine.make_engine(c)) for name, c in configs.items()
@@ -113,13 +119,16 @@ def _compare(
 
             return serve
 
-        best = _best_seconds({name: way(name) for name in engines}, rounds)
-    two = best["cfg_2"]
+        best = best_wall_and_cpu({name: way(name) for name in engines}, rounds, _tree_cpu_seconds)
     table: dict[str, Any] = {name: _figures(best[name], requests) for name in configs}
-    for name in ("one_rank", "one_rank_half_threads"):
-        table[f"cfg_2_over_{name}"] = round(best[name][0] / two[0], 2)
-        table[f"cpu_s_cfg_2_over_{name}"] = round(two[1] / best[name][1], 2)
-    table["max_abs_diff"] = float((images["cfg_2"] - images["one_rank"]).abs().max())
+    for side in splits:
+        split = best[side]
+        for name in ("one_rank", "one_rank_half_threads"):
+            table[f"{side}_over_{name}"] = round(best[name][0] / split[0], 2)
+            table[f"cpu_s_{side}_over_{name}"] = round(split[1] / best[name][1], 2)
+    table["max_abs_diff"] = {
+        side: float((images[side] - images["one_rank"]).abs().max()) for side in splits
+    }
     return table
 
 
@@ -133,23 +142,6 @@ def _images(outs: list[RequestOutput]) -> torch.Tensor:
 def _figures(seconds: tuple[float, float], requests: int) -> dict[str, float]:
     wall, cpu = seconds
     return {"images_per_s": round(requests / wall, 2), "cpu_s_per_image": round(cpu / requests, 4)}
-
-
-def _best_seconds(
-    ways: dict[str, Callable[[], None]], rounds: int
-) -> dict[str, tuple[float, float]]:
-    """Each way's best wall-clock and best CPU seconds (this process and its
-    workers) over ``rounds`` interleaved rounds, after one untimed round."""
-    for serve in ways.values():
-        serve()
-    best = dict.fromkeys(ways, (float("inf"), float("inf")))
-    for _ in range(rounds):
-        for name, serve in ways.items():
-            wall, cpu = time.perf_counter(), _tree_cpu_seconds()
-            serve()
-            wall, cpu = time.perf_counter() - wall, _tree_cpu_seconds() - cpu
-            best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
-    return best
 
 
 def _tree_cpu_seconds() -> float:

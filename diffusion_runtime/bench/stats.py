@@ -75,3 +75,22 @@ def interleaved_seconds(
             way()
             samples[name].append(watch.seconds())
     return samples
+
+
+def best_wall_and_cpu(
+    ways: Mapping[str, Callable[[], object]],
+    rounds: int,
+    cpu_clock: Callable[[], float] = time.process_time,
+) -> dict[str, tuple[float, float]]:
+    """Each way's best wall-clock seconds and best ``cpu_clock`` seconds over
+    ``rounds`` interleaved rounds, after one untimed round (the CPU time of
+    this process by default; a shared machine's other load barely moves it)."""
+    for way in ways.values():
+        way()
+    best = dict.fromkeys(ways, (math.inf, math.inf))
+    for _ in range(rounds):
+        for name, way in ways.items():
+            wall, cpu = Stopwatch(), Stopwatch(cpu_clock)
+            way()
+            best[name] = (min(best[name][0], wall.seconds()), min(best[name][1], cpu.seconds()))
+    return best

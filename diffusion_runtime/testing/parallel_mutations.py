@@ -1,10 +1,12 @@
-"""Bugs in the ranks that share one model: CFG-parallel digits over mp workers.
+"""Bugs in the ranks that share one model: CFG-parallel digits and the
+sequence-split DiT over mp workers.
 
 Worker processes are spawned, so a patch in this process never reaches them:
 :func:`workers_planting` makes the mp workers started while it is open load a
 worker extension that plants the bug in each worker before it serves. The
 ``cfg-parallel`` target's direct oracle runs the pipeline in this process with
-every degree at 1, so a split that changes one bit of an image fails there.
+every degree at 1, so a split that changes one bit of an image fails there;
+the ``ulysses`` and ``ring`` targets' oracle allows float rounding only.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 
 from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.executor.mp import executor as mp_executor
-from diffusion_runtime.pipelines.parallel import ParallelContext, RowBlock
+from diffusion_runtime.pipelines.diffusers import sequence_parallel
+from diffusion_runtime.pipelines.parallel import ParallelContext, RowBlock, SequenceContext
 from diffusion_runtime.testing.mutation import Mutation, Patch
 from diffusion_runtime.testing.patching import replace_attribute
 
@@ -131,6 +134,56 @@ class ReadPaddingFirst:
         ParallelContext.run_rows = run_rows  # type: ignore[method-assign]
 
 
+class ReverseReturnedHeads:
+    """Plants: the attention output's all-to-all back reads the ranks' head
+    slices in reverse rank order, so each token's heads come back swapped."""
+
+    def __init__(self, worker: Any) -> None:
+        original = sequence_parallel.tokens_to_heads
+
+        def tokens_to_heads(out: torch.Tensor, context: SequenceContext) -> torch.Tensor:
+            reversed_return = attrs.evolve(
+                context, all_to_all=lambda tensor: context.all_to_all(tensor).flip(0)
+            )
+            return original(out, reversed_return)
+
+        sequence_parallel.tokens_to_heads = tokens_to_heads
+
+
+class KeepOwnRingChunk:
+    """Plants: a rank reads the ring's send buffer for the pass it waited on, so
+    it attends its own keys and values again instead of its neighbour's."""
+
+    def __init__(self, worker: Any) -> None:
+        original = sequence_parallel.ring_attention
+
+        def ring_attention(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: SequenceContext
+        ) -> torch.Tensor:
+            def ring_shift(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+                wait = context.ring_shift(tensor)
+
+                def read_sent() -> torch.Tensor:
+                    wait()
+                    return tensor
+
+                return read_sent
+
+            return original(q, k, v, attrs.evolve(context, ring_shift=ring_shift))
+
+        sequence_parallel.ring_attention = ring_attention
+
+
+class ShardByUlyssesRank:
+    """Plants: a rank picks its token shard by its Ulysses rank alone, so the
+    ranks of a ring all keep the same shard."""
+
+    def __init__(self, worker: Any) -> None:
+        SequenceContext.rank = property(  # type: ignore[method-assign,assignment]
+            lambda self: self.ulysses_rank
+        )
+
+
 def branches_swapped() -> Patch:
     return workers_planting(f"{__name__}:SwapGatheredBranches")
 
@@ -147,6 +200,18 @@ def padding_read_first() -> Patch:
     return workers_planting(f"{__name__}:ReadPaddingFirst")
 
 
+def heads_reversed() -> Patch:
+    return workers_planting(f"{__name__}:ReverseReturnedHeads")
+
+
+def ring_chunk_kept() -> Patch:
+    return workers_planting(f"{__name__}:KeepOwnRingChunk")
+
+
+def shard_by_ulysses_rank() -> Patch:
+    return workers_planting(f"{__name__}:ShardByUlyssesRank")
+
+
 PARALLEL_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="cfg-branches-swapped", mode="step", target="cfg-parallel",
              bug="the gathered guidance branches are put back swapped between ranks",
@@ -161,4 +226,16 @@ PARALLEL_MUTATIONS: tuple[Mutation, ...] = (
     Mutation(name="cfg-padding-read-first", mode="step", target="cfg-parallel",
              bug="a gathered part of an uneven split is read from its end, padding included",
              patch=padding_read_first),
+    Mutation(name="ulysses-heads-reversed", mode="request", target="ulysses",
+             bug="the attention output's all-to-all back puts the ranks' head slices in "
+                 "reverse order",
+             patch=heads_reversed),
+    Mutation(name="ring-own-chunk-kept", mode="step", target="ring",
+             bug="a rank attends its own keys and values again instead of the ones the "
+                 "ring passed it",
+             patch=ring_chunk_kept),
+    Mutation(name="ring-shard-by-ulysses-rank", mode="request", target="ring",
+             bug="a rank picks its token shard by its Ulysses rank alone, so every ring "
+                 "rank keeps the same tokens",
+             patch=shard_by_ulysses_rank),
 )  # fmt: skip

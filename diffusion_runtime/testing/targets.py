@@ -310,6 +310,39 @@ def cfg_parallel_harness(mode: str) -> type[CoreLifecycleMachine]:
     )
 
 
+def sequence_parallel_config(mode: str, degree: str) -> EngineConfig:
+    """The ``ulysses`` and ``ring`` targets' engine config: the tiny DiT in chunks
+    of 4 rows on two mp ranks that split every row's tokens by ``degree``."""
+    degrees: dict[str, Any] = {degree: 2}
+    return EngineConfig(
+        pipeline=_tiny_dit_adapter,
+        device="cpu",
+        max_num_seqs=3,
+        execution_mode=mode,
+        warmup=False,
+        intra_op_threads=1,
+        worker_start_timeout_s=120.0,
+        **degrees,
+    )
+
+
+#: How far a split DiT's pixels may be from one rank's: the ring merges partial
+#: softmaxes in another order than one rank's attention (about 1e-6 seen).
+SEQUENCE_TOLERANCE = 1e-5
+
+
+def sequence_parallel_harness(mode: str, degree: str) -> type[CoreLifecycleMachine]:
+    """The core harness over the tiny DiT split by ``degree`` (``ulysses_degree``
+    or ``ring_degree``) over two mp ranks, held to the direct oracle with every
+    degree at 1 within :data:`SEQUENCE_TOLERANCE`."""
+    return core_lifecycle_machine(
+        lambda: sequence_parallel_config(mode, degree),
+        prompts=DIT_PROMPTS,
+        params=sampling_params(steps=(2, 3), outputs=(1, 2), guidance=[1.0, 2.0]),
+        oracle_tolerance=SEQUENCE_TOLERANCE,
+    )
+
+
 def front_harness(mode: str) -> type[EngineLifecycleMachine]:
     """The front harness over a :class:`~diffusion_runtime.engine.DiffusionEngine`."""
     return lifecycle_machine(
@@ -398,7 +431,8 @@ def lockstep_harness(mode: str) -> type[EngineLifecycleMachine]:
 #: ``cache-mp`` (the same over the mp executor), ``cache-dit`` (the same over a
 #: tiny diffusers DiT with the first-block cache),
 #: ``cfg-parallel`` (an EngineCore over two mp ranks that split guidance, against
-#: the degree-1 oracle).
+#: the degree-1 oracle), ``ulysses`` and ``ring`` (the same over a tiny DiT whose
+#: tokens two mp ranks split, within rounding of the degree-1 oracle).
 #: The preemptive and deadline targets
 #: run in step mode whatever the mode.
 HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
@@ -420,6 +454,8 @@ HARNESSES: dict[str, Callable[[str], type[RuleBasedStateMachine]]] = {
     "outputs-streamed": lambda mode: outputs_harness("step", streams=True),
     "outputs-front": front_outputs_harness,
     "cfg-parallel": cfg_parallel_harness,
+    "ulysses": lambda mode: sequence_parallel_harness(mode, "ulysses_degree"),
+    "ring": lambda mode: sequence_parallel_harness(mode, "ring_degree"),
     "outputs-stage": lambda mode: front_outputs_harness(mode, "stage"),
     "cache": cache_harness,
     "cache-mp": lambda mode: cache_harness(mode, "mp"),
