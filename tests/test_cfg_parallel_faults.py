@@ -1,7 +1,8 @@
-"""CFG-parallel ranks that die or hang: every caller learns within the liveness
-bound, and nothing is left.
+"""Ranks that share one model and die or hang: every caller learns within the
+liveness bound, and nothing is left.
 
-A rank killed or stopped inside a guided step leaves its peer waiting in the gather; the
+A rank killed or stopped inside a guided step (CFG-parallel digits; a DiT whose
+tokens two Ulysses ranks split) leaves its peer waiting in a collective; the
 executor's death monitor fails every call with :class:`EngineDeadError`, the
 peer's collective is bounded by the group's timeout (the liveness bound),
 and ``close()`` stops both ranks, destroys the group and removes its
@@ -46,7 +47,12 @@ class Probe:
     def __init__(self, worker: Any) -> None:
         self.passes = 0
         self.flag = Path(os.environ[FLAG_ENV]) if worker.rank == 1 else None
-        worker.pipeline.model.register_forward_pre_hook(self._count)
+        pipeline = worker.pipeline
+        if hasattr(pipeline, "model"):
+            model = pipeline.model
+        else:  # a split DiT runs its blocks, not the transformer's forward
+            model = pipeline.family.pipe.transformer.transformer_blocks[0]
+        model.register_forward_pre_hook(self._count)
 
     def _count(self, module: Any, args: Any) -> None:
         self.passes += 1
@@ -59,29 +65,43 @@ class Probe:
 
 #: How each fault shows: killed at once, or stopped (hung) until the liveness bound.
 FAULTS = {
-    signal.SIGKILL: r"killed by SIGKILL|gather between ranks",
-    signal.SIGSTOP: r"no heartbeat|gather between ranks",
+    signal.SIGKILL: r"killed by SIGKILL|between ranks",
+    signal.SIGSTOP: r"no heartbeat|between ranks",
 }
+DIGITS_CFG = {"pipeline": "digits", "cfg_parallel_size": 2}
 
 
 @pytest.mark.parametrize(
-    ("mode", "fault"),
+    ("mode", "fault", "split"),
     [
-        pytest.param("request", signal.SIGKILL, id="request-killed"),
-        pytest.param("step", signal.SIGKILL, id="step-killed"),
-        pytest.param("step", signal.SIGSTOP, id="step-stopped"),
+        pytest.param("request", signal.SIGKILL, "cfg", id="request-killed"),
+        pytest.param("step", signal.SIGKILL, "cfg", id="step-killed"),
+        pytest.param("step", signal.SIGSTOP, "cfg", id="step-stopped"),
+        pytest.param("step", signal.SIGSTOP, "ulysses", id="dit-ulysses-step-stopped"),
     ],
 )
-def test_a_rank_killed_or_hung_mid_gather_fails_every_caller_and_close_leaves_nothing(
-    mode: str, fault: signal.Signals, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_rank_killed_or_hung_mid_collective_fails_every_caller_and_close_leaves_nothing(
+    mode: str,
+    fault: signal.Signals,
+    split: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     flag = tmp_path / "running"
     monkeypatch.setenv(FLAG_ENV, str(flag))
+    if split == "cfg":
+        degrees: dict[str, Any] = DIGITS_CFG
+        prompt: Any = "3"
+    else:  # the DiT's all-to-alls over heads, every step
+        request.getfixturevalue("models").dit_pipeline().save_pretrained(tmp_path / "dit")
+        path = str(tmp_path / "dit")
+        degrees = {"pipeline": "diffusers", "pipeline_kwargs": {"path": path}, "ulysses_degree": 2}
+        prompt = 3
     baseline = Leftovers.baseline()
     config = EngineConfig(
-        pipeline="digits",
+        **degrees,
         device="cpu",
-        cfg_parallel_size=2,
         execution_mode=mode,
         warmup=False,
         worker_extensions=(Probe,),
@@ -93,7 +113,7 @@ def test_a_rank_killed_or_hung_mid_gather_fails_every_caller_and_close_leaves_no
     try:
         _, victim = engine.collective_rpc("pid")
         callers = [
-            run_in_thread(lambda p=params: engine.generate(["3"], p))
+            run_in_thread(lambda p=params: engine.generate([prompt], p))
             for params in (attrs.evolve(LONG_GUIDED, seed=s) for s in (1, 2))
         ]
         assert wait_for(flag.exists, timeout=60)

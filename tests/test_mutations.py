@@ -128,6 +128,8 @@ FAST_SUBSET = {
 #: loaded so far, so counts differ between a lone file and the whole suite,
 #: and move when any module of the package changes: keep margins.
 REQUIRED_REACH = {
+    # The parallel targets' fault rule: rank 1 killed, its peer's next collective fails.
+    "parallel": {"rule: kill a worker": 1},
     "core": {
         "path: a wave mixing failing and good requests": 10,
         "path: scheduler refused a duplicate id": 10,
@@ -459,13 +461,17 @@ def test_the_real_runtime_passes_on_mp() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["request", "step"])
 def test_the_real_runtime_passes_cfg_parallel_as_the_degree_1_oracle(mode: str) -> None:
-    passes(harness_for("cfg-parallel", mode), CFG_PARALLEL_EXAMPLES)
+    passes_and_reaches(
+        harness_for("cfg-parallel", mode), CFG_PARALLEL_EXAMPLES, REQUIRED_REACH["parallel"]
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target,mode", [("ulysses", "step"), ("ring", "request")])
 def test_the_real_runtime_passes_the_sequence_split_within_rounding(target: str, mode: str) -> None:
-    passes(harness_for(target, mode), SEQUENCE_PARALLEL_EXAMPLES)
+    passes_and_reaches(
+        harness_for(target, mode), SEQUENCE_PARALLEL_EXAMPLES, REQUIRED_REACH["parallel"]
+    )
 
 
 @pytest.mark.slow

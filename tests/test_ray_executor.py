@@ -341,7 +341,7 @@ def test_ulysses_actors_split_the_dit_tokens_within_rounding_of_one_rank(
         expected = one.generate(prompts, params)
     engine = ray_engine(**dit, ulysses_degree=2, worker_extensions=())
     for got, want in zip(engine.generate(prompts, params), expected, strict=True):
-        assert got.ok and (got.image_batch - want.image_batch).abs().max().item() <= 1e-5
+        assert got.ok and (got.image_batch - want.image_batch).abs().max().item() <= 1e-4
 
 
 def test_step_caches_on_actors_skip_and_count_as_in_process(

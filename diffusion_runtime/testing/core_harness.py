@@ -371,9 +371,13 @@ class CoreLifecycleMachine(SleepRules):
         if self.config.resolved_mode == "step":
             assert running <= set(held), f"RPC answered {sorted(held)}; running {sorted(running)}"
 
-    @precondition(lambda self: bool(self.worker_killer) and self._alive)
+    @precondition(
+        lambda self: bool(self.worker_killer) and self._alive and self.core.has_unfinished()
+    )
     @rule()
     def kill_worker(self) -> None:
+        """Kill a worker while requests are open: the steps that serve them meet
+        the death (an idle core has no call to notice it with)."""
         for kill in self.worker_killer:
             kill(self.core)
         self.reach.note("rule: kill a worker")

@@ -9,6 +9,8 @@ target in another configuration.
 from __future__ import annotations
 
 import functools
+import os
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +19,9 @@ import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine
 
 from diffusion_runtime.config import EngineConfig
+from diffusion_runtime.core import EngineCore
 from diffusion_runtime.errors import InvalidFieldError
+from diffusion_runtime.executor.mp import MultiprocExecutor
 from diffusion_runtime.sampling_params import SamplingParams
 from diffusion_runtime.testing.core_harness import CoreLifecycleMachine, core_lifecycle_machine
 from diffusion_runtime.testing.deadline_harness import (
@@ -300,13 +304,23 @@ def cfg_parallel_config(mode: str) -> EngineConfig:
     )
 
 
+def kill_rank_one(core: EngineCore) -> None:
+    """Kill worker rank 1 of an mp engine: the next collective of its peer fails
+    (or the executor's death monitor sees it first), and the engine dies."""
+    executor = core.executor
+    assert isinstance(executor, MultiprocExecutor), "rank 1 is killed in mp engines only"
+    os.kill(executor.worker_pids[1], signal.SIGKILL)
+
+
 def cfg_parallel_harness(mode: str) -> type[CoreLifecycleMachine]:
     """The core harness over CFG-parallel digits, held bit for bit to the direct
-    oracle, which runs the pipeline in this process with every degree at 1."""
+    oracle, which runs the pipeline in this process with every degree at 1; its
+    fault rule kills rank 1."""
     return core_lifecycle_machine(
         lambda: cfg_parallel_config(mode),
         prompts=DIGIT_PROMPTS,
         params=sampling_params(steps=(2, 4), outputs=(1, 2), guidance=[1.0, 2.0]),
+        worker_killer=kill_rank_one,
     )
 
 
@@ -327,19 +341,20 @@ def sequence_parallel_config(mode: str, degree: str) -> EngineConfig:
 
 
 #: How far a split DiT's pixels may be from one rank's: the ring merges partial
-#: softmaxes in another order than one rank's attention (about 1e-6 seen).
-SEQUENCE_TOLERANCE = 1e-5
+#: softmaxes in another order than one rank's attention (up to about 1.2e-5 seen over 10 steps).
+SEQUENCE_TOLERANCE = 1e-4
 
 
 def sequence_parallel_harness(mode: str, degree: str) -> type[CoreLifecycleMachine]:
     """The core harness over the tiny DiT split by ``degree`` (``ulysses_degree``
     or ``ring_degree``) over two mp ranks, held to the direct oracle with every
-    degree at 1 within :data:`SEQUENCE_TOLERANCE`."""
+    degree at 1 within :data:`SEQUENCE_TOLERANCE`; its fault rule kills rank 1."""
     return core_lifecycle_machine(
         lambda: sequence_parallel_config(mode, degree),
         prompts=DIT_PROMPTS,
         params=sampling_params(steps=(2, 3), outputs=(1, 2), guidance=[1.0, 2.0]),
         oracle_tolerance=SEQUENCE_TOLERANCE,
+        worker_killer=kill_rank_one,
     )
 
 

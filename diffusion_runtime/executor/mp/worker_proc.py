@@ -98,7 +98,22 @@ def run_worker(
 ) -> None:
     """Entry point of a worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the engine process to handle
+    _progress_bars_without_process_locks()
     WorkerProcess(spec, commands, side, results, heartbeats).serve()
+
+
+def _progress_bars_without_process_locks() -> None:
+    """Give tqdm (diffusers' loading bars) a thread lock before it makes its own.
+
+    Its default is a ``multiprocessing`` lock, a named semaphore registered with
+    the resource tracker this process shares with the engine: a worker stopped
+    at once (another rank failed to start) leaves it there, and the engine
+    process warns of leaked semaphores when it exits.
+    """
+    with contextlib.suppress(ImportError):
+        from tqdm import std
+
+        std.tqdm.set_lock(threading.RLock())
 
 
 class Heartbeat:

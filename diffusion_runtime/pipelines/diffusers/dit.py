@@ -20,8 +20,9 @@ from diffusion_runtime.pipelines.protocols import PipelineRequest, Prompt
 class DiTFamily(Family):
     """Class-label sampling, as ``DiTPipeline.__call__``.
 
-    A prompt is a class id (``int``) or one of the pipeline's label names
-    (``pipe.labels``, from its ``id2label``). ``num_outputs_per_prompt`` = N is
+    A prompt is a class id (``int``, or its decimal string as the CLI passes
+    it) or one of the pipeline's label names (``pipe.labels``, from its
+    ``id2label``; a label wins over a class id). ``num_outputs_per_prompt`` = N is
     diffusers' ``class_labels=[label] * N``. Guidance above 1 stacks the
     request's rows as ``[label] * N + [null] * N`` and guides the noise
     channels only, as diffusers does; with a learned-variance transformer
@@ -64,9 +65,16 @@ class DiTFamily(Family):
         if isinstance(prompt, int) and not isinstance(prompt, bool):
             if 0 <= prompt < self.num_classes:
                 return prompt
-        elif isinstance(prompt, str) and prompt.strip() in self.pipe.labels:
-            return int(self.pipe.labels[prompt.strip()])
-        rule = f"must be a class id in [0, {self.num_classes}) or a label of pipe.labels"
+        elif isinstance(prompt, str):
+            name = prompt.strip()
+            if name in self.pipe.labels:
+                return int(self.pipe.labels[name])
+            if name.isdecimal() and int(name) < self.num_classes:  # a class id from the CLI
+                return int(name)
+        rule = (
+            f"must be a class id in [0, {self.num_classes}) (an int or its decimal string) "
+            "or a label of pipe.labels"
+        )
         self.fail("prompt", rule, prompt)
 
     def check_prompt(self, prompt: Prompt) -> None:
