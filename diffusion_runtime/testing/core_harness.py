@@ -371,13 +371,12 @@ class CoreLifecycleMachine(SleepRules):
         if self.config.resolved_mode == "step":
             assert running <= set(held), f"RPC answered {sorted(held)}; running {sorted(running)}"
 
-    @precondition(
-        lambda self: bool(self.worker_killer) and self._alive and self.core.has_unfinished()
-    )
+    @precondition(lambda self: bool(self.worker_killer) and self._alive and self._waves_due())
     @rule()
     def kill_worker(self) -> None:
-        """Kill a worker while requests are open: the steps that serve them meet
-        the death (an idle core has no call to notice it with)."""
+        """Kill a worker while awake with requests that still need a wave: the steps
+        that serve them meet the death (an idle or sleeping core has no call to
+        notice it with)."""
         for kill in self.worker_killer:
             kill(self.core)
         self.reach.note("rule: kill a worker")
@@ -802,6 +801,13 @@ class CoreLifecycleMachine(SleepRules):
     def _is_failing(self, rid: str) -> bool:
         record = self.records.get(rid)
         return record is not None and record.failing
+
+    def _waves_due(self) -> bool:
+        """Whether the core is awake and an open request is not aborted (so a wave
+        will run for it)."""
+        return self.asleep_at is None and any(
+            self._is_active(rid) and not self.records[rid].aborted for rid in self.records
+        )
 
     def _is_active(self, rid: str) -> bool:
         state = self.states.get(rid)
