@@ -8,14 +8,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
 import pytest
 import torch
 from conftest import factory_of
-from executor_helpers import drain
+from executor_helpers import audited_core, drain
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.core import EngineCore
@@ -59,14 +58,11 @@ def engine_config(dit: Any, backend: str | None, **overrides: Any) -> EngineConf
     return EngineConfig(**{**fields, **overrides})
 
 
-@contextlib.contextmanager
-def open_core(dit: Any, backend: str, **overrides: Any) -> Iterator[EngineCore]:
-    core = EngineCore(engine_config(dit, backend, execution_mode="step", **overrides))
-    try:
-        yield core
-    finally:
-        core.shutdown()
-    assert core.auditor is not None and core.auditor.violations == []
+def open_core(
+    dit: Any, backend: str, **overrides: Any
+) -> contextlib.AbstractContextManager[EngineCore]:
+    """A step-mode core on :func:`engine_config`, audited."""
+    return audited_core(engine_config(dit, backend, execution_mode="step", **overrides))
 
 
 def run(

@@ -9,14 +9,13 @@ import asyncio
 import contextlib
 import gc
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 import torch
-from executor_helpers import drain
+from executor_helpers import audited_core, drain
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.core import EngineCore
@@ -54,15 +53,12 @@ def engine_config(**overrides: Any) -> EngineConfig:
     return EngineConfig(**{**fields, **overrides})
 
 
-@contextlib.contextmanager
-def open_core(clock: VirtualClock | None = None, **overrides: Any) -> Iterator[EngineCore]:
+def open_core(
+    clock: VirtualClock | None = None, **overrides: Any
+) -> contextlib.AbstractContextManager[EngineCore]:
+    """A step-mode core on :func:`engine_config` (on ``clock`` if given), audited."""
     config = engine_config(execution_mode="step", **overrides)
-    core = EngineCore(config) if clock is None else EngineCore(config, clock=clock)
-    try:
-        yield core
-    finally:
-        core.shutdown()
-    assert core.auditor is not None and core.auditor.violations == []
+    return audited_core(config) if clock is None else audited_core(config, clock=clock)
 
 
 def alone(
