@@ -7,15 +7,17 @@ their path), so they live here rather than in a test module.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
+from diffusion_runtime.config import EngineConfig
 from diffusion_runtime.core import EngineCore
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.pipelines.protocols import PipelineRequest, StepRequestState
@@ -40,6 +42,18 @@ class PreviewingNoise(SeededNoisePipeline):
 
     def preview(self, state: StepRequestState) -> torch.Tensor:
         return torch.sigmoid(state.latents)
+
+
+@contextlib.contextmanager
+def audited_core(config: EngineConfig, **core_kwargs: Any) -> Iterator[EngineCore]:
+    """A core on ``config`` (``core_kwargs`` go to :class:`EngineCore`), shut down on
+    leaving; once shut down, its auditor (``audit="raise"``) holds no violation."""
+    core = EngineCore(config, **core_kwargs)
+    try:
+        yield core
+    finally:
+        core.shutdown()
+    assert core.auditor is not None and core.auditor.violations == []
 
 
 def drain(core: EngineCore) -> dict[str, RequestOutput]:

@@ -109,30 +109,24 @@ def submit(params: list[SamplingParams], prompts: list[Any]) -> Any:
     return script
 
 
-@pytest.mark.parametrize("mix", sorted(MIXES))
-def test_dit_request_mode_is_bit_identical_to_one_rank(
-    dit_request: tuple[EngineCore, EngineCore], mix: str
-) -> None:
-    finals = run_both(dit_request, submit(MIXES[mix], [0, 1]))
-    assert all(out.ok for out in finals.values())
+# Each engine pair's set-up (two worker processes loading the pipeline) costs far
+# more than its scripts, and pytest-xdist would build a pair in every worker that
+# runs one of its tests: so each pair's proofs run in one test, one after another.
 
 
-def test_each_dit_rank_computes_one_guidance_branch(
+def test_dit_request_mode_is_bit_identical_to_one_rank_and_each_rank_computes_one_branch(
     dit_request: tuple[EngineCore, EngineCore],
 ) -> None:
+    for mix in sorted(MIXES):
+        finals = run_both(dit_request, submit(MIXES[mix], [0, 1]))
+        assert all(out.ok for out in finals.values()), mix
+
+    # Each rank computes one guidance branch.
     parallel, _ = dit_request
     parallel.collective_rpc("take_labels")
     run_both(dit_request, submit(MIXES["guided"], [0, 1]))
     cond, uncond = parallel.collective_rpc("take_labels")
     assert (cond, uncond) == ([0, 1], [DIT_NULL_CLASS])
-
-
-@pytest.mark.parametrize("mix", sorted(MIXES))
-def test_dit_step_mode_is_bit_identical_to_one_rank(
-    dit_step: tuple[EngineCore, EngineCore], mix: str
-) -> None:
-    finals = run_both(dit_step, submit(MIXES[mix], [0, 1]))
-    assert all(out.ok for out in finals.values())
 
 
 #: Step caches decided per request (docs/caching.md): every rank runs every row of a
@@ -148,17 +142,19 @@ CACHED = [
 ]
 
 
-def test_dit_step_caches_under_cfg_parallel_are_bit_identical_to_one_rank(
+def test_dit_step_mode_with_step_caches_and_preemption_is_bit_identical_to_one_rank(
     dit_step: tuple[EngineCore, EngineCore],
 ) -> None:
+    for mix in sorted(MIXES):
+        finals = run_both(dit_step, submit(MIXES[mix], [0, 1]))
+        assert all(out.ok for out in finals.values()), mix
+
+    # Step caches under cfg-parallel.
     finals = run_both(dit_step, submit(CACHED, [0, 1]))
     assert all(out.ok for out in finals.values())
     assert sum(out.metrics.cached_steps for out in finals.values()) > 0
 
-
-def test_preempted_dit_requests_resume_bit_identical_to_one_rank(
-    dit_step: tuple[EngineCore, EngineCore],
-) -> None:
+    # Preempted requests resume from host memory.
     low = SamplingParams(num_inference_steps=6, priority=5, guidance_scale=2.0)
 
     def script(core: EngineCore) -> dict[str, RequestOutput]:

@@ -8,14 +8,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import pytest
 import torch
 from conftest import factory_of
-from executor_helpers import drain
+from executor_helpers import audited_core, drain
 
 from diffusion_runtime import DiffusionEngine, EngineConfig, InvalidFieldError, SamplingParams
 from diffusion_runtime.core import EngineCore
@@ -37,11 +37,41 @@ MIX = [
     (7, SamplingParams(num_inference_steps=10, seed=7, cache={"backend": "first_block"})),
 ]
 BACKENDS = ["tea_cache", "first_block"]
+#: The zero-threshold tests' requests: the engine's cache settings decide for them.
+UNCACHED_MIX = [(prompt, attrs.evolve(params, cache=None)) for prompt, params in MIX[:3]]
 
 
 @pytest.fixture(scope="module")
 def dit(models: Any) -> Any:
     return models.dit_pipeline()
+
+
+@pytest.fixture(scope="module")
+def solo(dit: Any) -> Callable[[str], list[torch.Tensor]]:
+    """Each request of ``MIX`` run by itself in step mode, per backend: computed once a
+    module for the tests that compare against it (read, never changed)."""
+    images: dict[str, list[torch.Tensor]] = {}
+
+    def of(backend: str) -> list[torch.Tensor]:
+        if backend not in images:
+            images[backend] = alone(dit, backend, MIX, "step")
+        return images[backend]
+
+    return of
+
+
+@pytest.fixture(scope="module")
+def uncached(dit: Any) -> Callable[[str], list[RequestOutput]]:
+    """The first three requests of ``MIX`` batched without a cache, per mode: computed
+    once a module for the zero-threshold tests of both backends."""
+    outputs: dict[str, list[RequestOutput]] = {}
+
+    def of(mode: str) -> list[RequestOutput]:
+        if mode not in outputs:
+            outputs[mode] = run(dit, None, UNCACHED_MIX, mode)
+        return outputs[mode]
+
+    return of
 
 
 def engine_config(dit: Any, backend: str | None, **overrides: Any) -> EngineConfig:
@@ -59,14 +89,11 @@ def engine_config(dit: Any, backend: str | None, **overrides: Any) -> EngineConf
     return EngineConfig(**{**fields, **overrides})
 
 
-@contextlib.contextmanager
-def open_core(dit: Any, backend: str, **overrides: Any) -> Iterator[EngineCore]:
-    core = EngineCore(engine_config(dit, backend, execution_mode="step", **overrides))
-    try:
-        yield core
-    finally:
-        core.shutdown()
-    assert core.auditor is not None and core.auditor.violations == []
+def open_core(
+    dit: Any, backend: str, **overrides: Any
+) -> contextlib.AbstractContextManager[EngineCore]:
+    """A step-mode core on :func:`engine_config`, audited."""
+    return audited_core(engine_config(dit, backend, execution_mode="step", **overrides))
 
 
 def run(
@@ -93,12 +120,11 @@ def alone(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_batched_equals_alone_in_both_modes_and_the_metrics_count_the_skips(
-    dit: Any, backend: str
+    dit: Any, solo: Callable[[str], list[torch.Tensor]], backend: str
 ) -> None:
-    solo = alone(dit, backend, MIX, "step")
     for mode in ("step", "request"):
         outs = run(dit, backend, MIX, mode)
-        for out, image in zip(outs, solo, strict=True):
+        for out, image in zip(outs, solo(backend), strict=True):
             assert torch.equal(out.image_batch, image), (mode, out.request_id)
         steps = [params.num_inference_steps for _, params in MIX]
         metrics = [out.metrics for out in outs]
@@ -110,29 +136,31 @@ def test_batched_equals_alone_in_both_modes_and_the_metrics_count_the_skips(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_requests_joining_at_different_steps_match_alone(dit: Any, backend: str) -> None:
-    solo = alone(dit, backend, MIX, "step")
+def test_requests_joining_at_different_steps_match_alone(
+    dit: Any, solo: Callable[[str], list[torch.Tensor]], backend: str
+) -> None:
     with open_core(dit, backend) as core:
         for index, (prompt, params) in enumerate(MIX):
             core.add_request(f"r{index}", prompt, params, seed=params.seed)
             core.step()  # each joins a batch already under way
         finals = drain(core)
-    for index, image in enumerate(solo):
+    for index, image in enumerate(solo(backend)):
         assert torch.equal(finals[f"r{index}"].image_batch, image), index
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["step", "request"])
-def test_a_zero_threshold_equals_no_cache(dit: Any, backend: str, mode: str) -> None:
-    mix = [(prompt, attrs.evolve(params, cache=None)) for prompt, params in MIX[:3]]
-    uncached = run(dit, None, mix, mode)
-    zero = run(dit, backend, mix, mode, cache_config={"rel_l1_thresh": 0.0})
-    for a, b in zip(uncached, zero, strict=True):
+def test_a_zero_threshold_equals_no_cache(
+    dit: Any, uncached: Callable[[str], list[RequestOutput]], backend: str, mode: str
+) -> None:
+    zero = run(dit, backend, UNCACHED_MIX, mode, cache_config={"rel_l1_thresh": 0.0})
+    for a, b in zip(uncached(mode), zero, strict=True):
         assert torch.equal(a.image_batch, b.image_batch)
         assert b.metrics is not None and b.metrics.cached_steps == 0
-    cached = run(dit, backend, mix, mode)
+    cached = run(dit, backend, UNCACHED_MIX, mode)
     assert not any(
-        torch.equal(a.image_batch, b.image_batch) for a, b in zip(uncached, cached, strict=True)
+        torch.equal(a.image_batch, b.image_batch)
+        for a, b in zip(uncached(mode), cached, strict=True)
     )
 
 
