@@ -27,6 +27,9 @@ from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.pipelines.digits import LORA_ADAPTERS
 from diffusion_runtime.stage import StageClient
 
+#: One xdist worker runs the whole module, so its module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("cfg-parallel")
+
 Script = Callable[[EngineCore], dict[str, RequestOutput]]
 NULL_CLASS = 10  # the digits model's unconditional label
 

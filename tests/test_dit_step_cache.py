@@ -23,7 +23,11 @@ from diffusion_runtime.fsm import RequestStatus
 from diffusion_runtime.outputs import RequestOutput
 from diffusion_runtime.runner.worker import Worker
 
-pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
+    # one xdist worker runs the whole module, so its module fixtures are built once
+    pytest.mark.xdist_group("dit-step-cache"),
+]
 S = RequestStatus
 #: Skips a third to a half of a 12-step request's steps with either backend (measured).
 CACHE = {"rel_l1_thresh": 0.3, "warmup_steps": 1}

@@ -49,6 +49,9 @@ from ray.util.placement_group import placement_group_table  # noqa: E402
 
 from diffusion_runtime.executor.ray import RayExecutor  # noqa: E402
 
+#: One xdist worker runs the whole module, so its module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("ray-executor")
+
 FAST = SamplingParams(num_inference_steps=2, seed=5, height=16, width=16)
 NODE_CPUS = 2
 OBJECT_STORE_BYTES = 80 * 1024**2

@@ -28,6 +28,9 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from diffusion_runtime.replicas import ReplicaSet, ReplicaSetConfig  # noqa: E402
 
+#: One xdist worker runs the whole module, so its module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("ray-replicas")
+
 FAST = SamplingParams(num_inference_steps=2, seed=3, height=16, width=16)
 ENGINE = EngineConfig(pipeline="testing-faults", device="cpu", warmup=False, intra_op_threads=1)
 

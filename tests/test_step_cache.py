@@ -28,6 +28,9 @@ from diffusion_runtime.serving.metrics import EngineMetrics
 from diffusion_runtime.stage import StageClient
 from diffusion_runtime.testing.virtual_clock import VirtualClock
 
+#: One xdist worker runs the whole module, so its module fixtures are built once.
+pytestmark = pytest.mark.xdist_group("step-cache")
+
 S = RequestStatus
 #: Skips about a third of the steps of a 12-step request (measured).
 CACHE = {"rel_l1_thresh": 0.3, "warmup_steps": 1}
