@@ -241,11 +241,17 @@ BATCH = [
 
 @pytest.fixture(scope="module")
 def batch_alone(pipes: dict[str, Any]) -> dict[str, list[RequestOutput]]:
-    """Each request of ``BATCH`` alone, request mode, through an engine per pipeline."""
+    """Each request of ``BATCH`` alone, request mode, through an engine per pipeline.
+
+    Every engine compared with these runs torch on one thread, as they do: the
+    VAE's convolutions round differently on another thread count (the mp worker
+    takes all cores by default, this process what earlier tests left it)."""
     alone: dict[str, list[RequestOutput]] = {}
     for name, extra in (("ddpm", {}), ("ddim", {"eta": ETA})):
         adapter = DiffusersPipeline(pipes[name], rows_per_call=8)
-        config = EngineConfig(pipeline=factory_of(adapter), device="cpu", warmup=False)
+        config = EngineConfig(
+            pipeline=factory_of(adapter), device="cpu", warmup=False, intra_op_threads=1
+        )
         with DiffusionEngine.make_engine(config) as engine:
             alone[name] = [
                 engine.generate([None], attrs.evolve(p, extra_args=extra))[0] for p in BATCH
@@ -266,7 +272,9 @@ def test_trajectories_and_log_probs_are_bit_identical_alone_or_batched(
     independent of its batch mates, as the adapter's identity tests assume."""
     extra = {"eta": ETA} if name == "ddim" else {}
     adapter = DiffusersPipeline(pipes[name], rows_per_call=8)
-    engine = make_engine(factory_of(adapter), execution_mode=mode, warmup=False, max_num_seqs=4)
+    engine = make_engine(
+        factory_of(adapter), execution_mode=mode, warmup=False, max_num_seqs=4, intra_op_threads=1
+    )
     params = [attrs.evolve(p, extra_args=extra) for p in BATCH]
     outputs = engine.generate([None] * len(params), params)
     for output, expected in zip(outputs, batch_alone[name], strict=True):
@@ -288,6 +296,7 @@ def test_trajectories_and_log_probs_cross_mp_bit_for_bit(
         executor_backend="mp",
         execution_mode="step",
         warmup=False,
+        intra_op_threads=1,
     )
     outputs = engine.generate([None] * len(BATCH), BATCH)
     for output, expected in zip(outputs, batch_alone["ddpm"], strict=True):

@@ -261,7 +261,8 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
         worker_extensions=(Probe,),
     )
     loop = asyncio.new_event_loop()
-    client = StageClient(config, transport="tcp")
+    # A clean exit is asserted below: give it time to make it on a loaded machine.
+    client = StageClient(config, transport="tcp", shutdown_grace_s=30.0)
     loop.run_until_complete(client.start())
     engine = DiffusionEngine.make_engine(config)
 
