@@ -607,3 +607,29 @@ def harness(max_examples: int) -> type[unittest.TestCase]:
 
 TestLifecycleOverWorkerProcesses = harness(max_examples=2)
 TestLifecycleOverWorkerProcessesAtLength = pytest.mark.slow(harness(max_examples=30))
+
+
+def test_a_worker_gives_progress_bars_a_thread_lock_so_no_semaphore_is_registered() -> None:
+    """tqdm's default lock (made by diffusers' loading bars in a worker) is a named
+    semaphore registered with the resource tracker the worker shares with the
+    engine; a worker stopped at once then leaves it for the tracker to warn about
+    at exit. A worker sets a thread lock before any bar is made."""
+    script = (
+        "import multiprocessing.synchronize as sync\n"
+        "made = []\n"
+        "original = sync.SemLock.__init__\n"
+        "def counted(self, *args, **kwargs):\n"
+        "    made.append(1)\n"
+        "    original(self, *args, **kwargs)\n"
+        "sync.SemLock.__init__ = counted\n"
+        "from diffusion_runtime.executor.mp import worker_proc\n"
+        "worker_proc._progress_bars_without_process_locks()\n"
+        "from tqdm.auto import tqdm\n"
+        "for _ in tqdm(range(2), disable=False):\n"
+        "    pass\n"
+        "print(len(made))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.split() == ["0"], result.stderr
