@@ -164,5 +164,10 @@ class ParallelContext:
         out = mine.new_empty((len(owners), *mine.shape[1:]))
         for rows, part in zip(by_rank, parts, strict=True):
             if rows:
-                out[torch.tensor(rows, device=out.device)] = part[: len(rows)]
+                out[torch.tensor(rows, device=out.device)] = self.unpadded(part, len(rows))
         return out
+
+    @staticmethod
+    def unpadded(part: torch.Tensor, count: int) -> torch.Tensor:
+        """The ``count`` real rows of a gathered part (the padding follows them)."""
+        return part[:count]

@@ -113,25 +113,9 @@ class ReadPaddingFirst:
     that evens the parts out came first (the same rows when the split is even)."""
 
     def __init__(self, worker: Any) -> None:
-        def run_rows(
-            self: ParallelContext,
-            owners: Sequence[int],
-            compute: Callable[[list[int]], torch.Tensor],
-        ) -> torch.Tensor:
-            by_rank: list[list[int]] = [[] for _ in range(self.cfg_size)]
-            for row, rank in enumerate(owners):
-                by_rank[rank].append(row)
-            mine = compute(by_rank[self.cfg_rank])
-            most = max(len(rows) for rows in by_rank)
-            padded = mine.new_zeros((most, *mine.shape[1:]))
-            padded[: len(mine)] = mine
-            out = mine.new_empty((len(owners), *mine.shape[1:]))
-            for rows, part in zip(by_rank, self.gather(padded), strict=True):
-                if rows:
-                    out[torch.tensor(rows, device=out.device)] = part[most - len(rows) :]
-            return out
-
-        ParallelContext.run_rows = run_rows  # type: ignore[method-assign]
+        ParallelContext.unpadded = staticmethod(  # type: ignore[method-assign]
+            lambda part, count: part[len(part) - count :]
+        )
 
 
 class ReverseReturnedHeads:

@@ -175,9 +175,13 @@ class DiffusersPipeline:
     def enable_parallel(self, context: ParallelContext) -> None:
         """Share each denoiser call with the other CFG ranks, and split its tokens
         over the sequence group (``docs/parallelism.md``)."""
-        if context.sequence is not None:
-            self.family.enable_sequence(context.sequence)
         self._parallel = context
+        self._split_family_sequence()
+
+    def _split_family_sequence(self) -> None:
+        """Hand the family the sequence split, if the context has one."""
+        if self._parallel is not None and self._parallel.sequence is not None:
+            self.family.enable_sequence(self._parallel.sequence)
 
     # -- request mode ------------------------------------------------------------------
 
@@ -283,8 +287,7 @@ class DiffusersPipeline:
         family = self.family
         pipe = source()
         self._family = type(family)(pipe.to(self.device), self.device)
-        if self._parallel is not None and self._parallel.sequence is not None:
-            self._family.enable_sequence(self._parallel.sequence)
+        self._split_family_sequence()
         if self._adapters is not None:  # the new pipeline gets the loaded adapters again
             self._adapters.reattach()
 

@@ -6,12 +6,11 @@ from typing import Any
 
 import torch
 
-from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.pipelines.diffusers.dit_blocks import DiTBlocks
 from diffusion_runtime.pipelines.diffusers.family import Encoded, Family, draw_latents, step_kwargs
 from diffusion_runtime.pipelines.diffusers.sequence_parallel import (
     SequenceParallelDiT,
-    sequence_refusal,
+    check_sequence_split,
 )
 from diffusion_runtime.pipelines.parallel import SequenceContext
 from diffusion_runtime.pipelines.protocols import PipelineRequest, Prompt
@@ -98,11 +97,7 @@ class DiTFamily(Family):
         return latents, Encoded(rows=labels, guidance=guidance, step_kwargs=kwargs)
 
     def enable_sequence(self, context: SequenceContext) -> None:
-        refusal = sequence_refusal(self.pipe.transformer, context)
-        if refusal is not None:
-            field, rule = refusal
-            value = context.ring_size if field == "ring_degree" else context.ulysses_size
-            raise InvalidFieldError("EngineConfig", field, rule, value)
+        check_sequence_split(self.pipe.transformer, context)
         self._sequence = SequenceParallelDiT(self.pipe.transformer, context)
 
     def run_denoiser(self, x: torch.Tensor, t: torch.Tensor, rows: torch.Tensor | None) -> Any:

@@ -13,36 +13,42 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import torch
 import torch.nn.functional as F
 
+from diffusion_runtime.errors import InvalidFieldError
 from diffusion_runtime.pipelines.diffusers.dit_blocks import DiTBlocks
 from diffusion_runtime.pipelines.parallel import SequenceContext
 
 
-def sequence_refusal(transformer: Any, context: SequenceContext) -> tuple[str, str] | None:
-    """``(field, rule)`` when ``transformer`` cannot be split as ``context`` asks."""
+def check_sequence_split(transformer: Any, context: SequenceContext) -> None:
+    """Raise :class:`InvalidFieldError`, naming the degree, when ``transformer``
+    cannot be split as ``context`` asks."""
     config = transformer.config
     heads = int(config.num_attention_heads)
     tokens = (int(config.sample_size) // int(config.patch_size)) ** 2
+    ulysses = ("ulysses_degree", context.ulysses_size)
     if heads % context.ulysses_size:
-        return "ulysses_degree", f"must divide the DiT's {heads} attention heads"
+        _refuse(ulysses, f"must divide the DiT's {heads} attention heads")
     if tokens % context.size:
-        return (
-            "ring_degree" if context.ring_size > 1 else "ulysses_degree",
-            f"ulysses_degree * ring_degree must divide the DiT's {tokens} image tokens",
-        )
+        degree = ("ring_degree", context.ring_size) if context.ring_size > 1 else ulysses
+        _refuse(degree, f"ulysses_degree * ring_degree must divide the DiT's {tokens} image tokens")
     for block in transformer.transformer_blocks:
         attn = block.attn1
         if type(attn.processor).__name__ != "AttnProcessor2_0" or _has_extras(attn):
-            return "ulysses_degree", (
+            _refuse(
+                ulysses,
                 "needs the DiT's self-attention on diffusers' AttnProcessor2_0 with no "
-                "extra norms or residual (the split re-implements exactly that)"
+                "extra norms or residual (the split re-implements exactly that)",
             )
-    return None
+
+
+def _refuse(degree: tuple[str, int], rule: str) -> NoReturn:
+    field, value = degree
+    raise InvalidFieldError("EngineConfig", field, rule, value)
 
 
 def _has_extras(attn: Any) -> bool:
